@@ -1,0 +1,184 @@
+"""Flat buffers: parameters, gradients and elementwise optimizer state as views of contiguous memory.
+
+One :class:`FlatBuffer` exists per (param group, device, dtype). Each parameter owns a
+*slot* ``[start, end)`` in it; ``param.data``, ``param.grad`` and every parameter-shaped
+state tensor are views of the same slot in their buffers. A *run* is a range of adjacent
+slots that can be updated by a single optimizer call on one flat tensor: all have a
+gradient this step and all share the same scalar state (e.g. Adam's ``step``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import LayoutChangedError
+
+# Slots start on 64-byte boundaries so flat runs and their slices stay vector-aligned.
+_ALIGN_BYTES = 64
+
+
+def _aligned(offset: int, element_size: int) -> int:
+    per = max(1, _ALIGN_BYTES // element_size)
+    return (offset + per - 1) // per * per
+
+
+class Slot:
+    """One parameter's place in a flat buffer."""
+
+    __slots__ = ("param", "start", "end", "grad_view", "token", "state_views", "hook")
+
+    def __init__(self, param: torch.Tensor, start: int):
+        self.param = param
+        self.start = start
+        self.end = start + param.numel()
+        self.grad_view: Optional[torch.Tensor] = None
+        # Slots with the same token hold identical scalar state and may share a run.
+        self.token: object = None
+        self.state_views: Dict[str, torch.Tensor] = {}
+        self.hook = None
+
+
+class FlatBuffer:
+    """Contiguous parameter / gradient / state storage for one (group, device, dtype)."""
+
+    def __init__(self, params: List[torch.Tensor], flatten: bool):
+        first = params[0]
+        self.device, self.dtype = first.device, first.dtype
+        self.element_size = first.element_size()
+        offset, slots = 0, []
+        if flatten:
+            for p in params:
+                offset = _aligned(offset, self.element_size)
+                slots.append(Slot(p, offset))
+                offset += p.numel()
+        else:
+            offset = self._adopt_offsets(params, slots)
+        self.slots = slots
+        self.numel = offset
+        self.param = self._flatten_params(flatten)
+        self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for slot in slots:
+            slot.grad_view = self.grad[slot.start : slot.end].view_as(slot.param)
+            existing = slot.param.grad
+            if existing is not None and existing.layout == torch.strided:
+                slot.grad_view.copy_(existing)
+                slot.param.grad = slot.grad_view
+        self.state: Dict[str, torch.Tensor] = {}
+        self.proxies: Dict[Tuple[int, int], torch.nn.Parameter] = {}
+
+    @staticmethod
+    def adoptable(params: List[torch.Tensor]) -> bool:
+        """True when ``params`` already lie back to back in one storage (``do_flatten=False``)."""
+        storage = params[0].untyped_storage().data_ptr()
+        expected = params[0].storage_offset()
+        for p in params:
+            if (
+                p.untyped_storage().data_ptr() != storage
+                or p.storage_offset() != expected
+                or not p.is_contiguous()
+            ):
+                return False
+            expected += p.numel()
+        return True
+
+    def _adopt_offsets(self, params, slots) -> int:
+        base = params[0].storage_offset()
+        for p in params:
+            slots.append(Slot(p, p.storage_offset() - base))
+        return slots[-1].end
+
+    def _flatten_params(self, flatten: bool) -> torch.Tensor:
+        if not flatten:
+            first = self.slots[0].param
+            flat = torch.empty(0, dtype=self.dtype, device=self.device)
+            flat.set_(first.untyped_storage(), first.storage_offset(), (self.numel,))
+            return flat
+        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for slot in self.slots:
+                flat[slot.start : slot.end].copy_(slot.param.detach().reshape(-1))
+                slot.param.data = flat[slot.start : slot.end].view_as(slot.param)
+        return flat
+
+    # ----------------------------------------------------------------- keeping views in place
+    def _expected_ptr(self, base: torch.Tensor, slot: Slot) -> int:
+        return base.data_ptr() + slot.start * base.element_size()
+
+    def sync_param(self, slot: Slot) -> None:
+        """Put a parameter whose ``.data`` was replaced back into its slot."""
+        p = slot.param
+        if p.data_ptr() == self._expected_ptr(self.param, slot):
+            return
+        if p.device != self.device or p.dtype != self.dtype or p.numel() != slot.end - slot.start:
+            raise LayoutChangedError(
+                f"a fused parameter changed from {self.dtype} on {self.device} with "
+                f"{slot.end - slot.start} elements to {p.dtype} on {p.device} with {p.numel()}; "
+                "move or cast the model before calling fuse_optimizer, not after"
+            )
+        with torch.no_grad():
+            view = self.param[slot.start : slot.end].view_as(p)
+            view.copy_(p.detach())
+            p.data = view
+        slot.grad_view = self.grad[slot.start : slot.end].view_as(p)
+
+    def sync_grad(self, slot: Slot) -> bool:
+        """Make ``param.grad`` the slot's view; return False if there is no dense gradient."""
+        g = slot.param.grad
+        if g is None or g.layout != torch.strided:
+            return False
+        view = slot.grad_view
+        if g.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(g)
+            slot.param.grad = view
+        return True
+
+    def state_view(self, key: str, slot: Slot) -> torch.Tensor:
+        view = slot.state_views.get(key)
+        flat = self.state[key]
+        if view is None or view.data_ptr() != self._expected_ptr(flat, slot) or view.dtype != flat.dtype:
+            view = flat[slot.start : slot.end].view_as(slot.param)
+            slot.state_views[key] = view
+        return view
+
+    def sync_state(self, key: str, slot: Slot, value: torch.Tensor) -> torch.Tensor:
+        """Copy a per-parameter state tensor into the flat state buffer (if not already a view of it)."""
+        flat = self.state.get(key)
+        if flat is None or flat.dtype != value.dtype:
+            flat = torch.zeros(self.numel, dtype=value.dtype, device=self.device)
+            self.state[key] = flat
+            slot.state_views.clear()
+        view = self.state_view(key, slot)
+        if value.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(value)
+        return view
+
+    def adopt_or_copy_state(self, key: str, start: int, end: int, value: torch.Tensor) -> torch.Tensor:
+        """Store the flat run state ``value`` for ``[start, end)``; return the flat buffer."""
+        flat = self.state.get(key)
+        if flat is not None and flat.dtype == value.dtype:
+            if value.data_ptr() != flat.data_ptr() + start * flat.element_size():
+                flat[start:end].copy_(value)
+            return flat
+        owns_storage = value.is_contiguous() and value.untyped_storage().nbytes() == value.numel() * value.element_size()
+        if start == 0 and end == self.numel and owns_storage and value.storage_offset() == 0:
+            flat = value  # the optimizer just created it for the whole buffer: no copy
+        else:
+            flat = torch.zeros(self.numel, dtype=value.dtype, device=self.device)
+            flat[start:end].copy_(value)
+        self.state[key] = flat
+        return flat
+
+    def proxy(self, first: int, last: int) -> torch.nn.Parameter:
+        """A parameter over slots ``[first, last)`` sharing memory with the flat buffers."""
+        key = (first, last)
+        proxy = self.proxies.get(key)
+        start, end = self.slots[first].start, self.slots[last - 1].end
+        if proxy is None or proxy.data_ptr() != self.param.data_ptr() + start * self.element_size:
+            proxy = torch.nn.Parameter(self.param[start:end], requires_grad=True)
+            self.proxies[key] = proxy
+        proxy.grad = self.grad[start:end]
+        return proxy

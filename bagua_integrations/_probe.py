@@ -1,0 +1,118 @@
+"""The elementwise probe: can an optimizer's step run on a flat concatenation of tensors?
+
+An allowlist cannot cover third-party optimizers, so we ask the optimizer itself: run its
+own ``step`` on a few small synthetic tensors of very different scales and shapes, once
+per tensor and once on their concatenation, and compare parameters and state. Per-tensor
+norms (LAMB, LARS), per-parameter clipping (BertAdam), shape-dependent math (Adafactor)
+and closures (LBFGS) all show up as a mismatch or an exception.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from typing import Any, Dict, List, Optional
+
+import torch
+
+# Shapes mix 1-D and N-D tensors (to catch "no weight decay on biases"-style rules);
+# parameter and gradient scales span many decades (to catch norms, clipping and eps effects).
+_PROBE_SHAPES = [(4, 6), (9,), (2, 3, 5), (1,), (7, 3)]
+_PARAM_SCALES = [1e-3, 1.0, 1e2, 1e-1, 30.0]
+_GRAD_SCALES = [1e-4, 10.0, 1e-2, 1e3, 0.3]
+_PROBE_STEPS = 3
+_RTOL = 1e-5
+
+
+def _probe_clone(optimizer: torch.optim.Optimizer, group: Dict[str, Any], params: List[torch.Tensor]):
+    """A throw-away copy of ``optimizer`` holding one group (same hyper-parameters) over ``params``.
+
+    The copy shares no state and no step hooks with the original, so probing never
+    touches the user's optimizer.
+    """
+    clone = object.__new__(type(optimizer))
+    clone.__dict__.update(optimizer.__dict__)
+    for attr in list(clone.__dict__):
+        if attr.startswith("_bagua_") or attr in ("fuse_step", "step", "grad_scale", "found_inf"):
+            clone.__dict__.pop(attr)
+    clone.state = defaultdict(dict)
+    clone.param_groups = [dict(group, params=params)]
+    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        if hooks in clone.__dict__:
+            clone.__dict__[hooks] = OrderedDict()
+    return clone
+
+
+def _synthetic(device, dtype, generator):
+    params, grads = [], []
+    for step in range(_PROBE_STEPS):
+        grads.append(
+            [
+                torch.randn(shape, generator=generator, dtype=dtype).to(device) * scale
+                for shape, scale in zip(_PROBE_SHAPES, _GRAD_SCALES)
+            ]
+        )
+    params = [
+        torch.randn(shape, generator=generator, dtype=dtype).to(device) * scale
+        for shape, scale in zip(_PROBE_SHAPES, _PARAM_SCALES)
+    ]
+    return params, grads
+
+
+def _mismatch(name: str, per_tensor: torch.Tensor, flat: torch.Tensor) -> Optional[str]:
+    if per_tensor.shape != flat.shape:
+        return f"{name} has shape {tuple(flat.shape)} on the flat tensor, not {tuple(per_tensor.shape)}"
+    a, b = per_tensor.double(), flat.double()
+    same = (a == b) | ((a - b).abs() <= _RTOL * torch.maximum(a.abs(), b.abs())) | (a.isnan() & b.isnan())
+    if bool(same.all()):
+        return None
+    worst = ((a - b).abs() / a.abs().clamp_min(1e-30))[~same].max().item()
+    return f"{name} differs between per-tensor and flat updates (relative error {worst:.2e})"
+
+
+def probe_elementwise(
+    optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device
+) -> Optional[str]:
+    """Return ``None`` if ``optimizer``'s step is elementwise under ``group``'s settings, else why not."""
+    generator = torch.Generator().manual_seed(1234)
+    dtype = torch.float32
+    init, grads = _synthetic(device, dtype, generator)
+
+    per_tensor = [torch.nn.Parameter(t.clone()) for t in init]
+    flat = torch.nn.Parameter(torch.cat([t.reshape(-1) for t in init]))
+    opt_a = _probe_clone(optimizer, group, per_tensor)
+    opt_b = _probe_clone(optimizer, group, [flat])
+    step = type(optimizer).step
+    try:
+        for step_grads in grads:
+            for p, g in zip(per_tensor, step_grads):
+                p.grad = g.clone()
+            flat.grad = torch.cat([g.reshape(-1) for g in step_grads])
+            step(opt_a)
+            step(opt_b)
+    except Exception as exc:  # the probe reports; the caller decides whether to raise
+        return f"its step raised {type(exc).__name__} on synthetic tensors ({exc})"
+
+    with torch.no_grad():
+        reason = _mismatch("the parameter update", torch.cat([p.reshape(-1) for p in per_tensor]), flat)
+        if reason:
+            return reason
+        flat_state = opt_b.state.get(flat, {})
+        keys_a = set().union(*(opt_a.state.get(p, {}).keys() for p in per_tensor))
+        if keys_a != set(flat_state):
+            return f"it keeps different state keys per tensor ({sorted(keys_a)}) and flat ({sorted(flat_state)})"
+        for key, value in flat_state.items():
+            pieces = [opt_a.state[p][key] for p in per_tensor]
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if value.shape != flat.shape:
+                    return f"its state '{key}' has shape {tuple(value.shape)}, not the parameter's shape"
+                if any(not isinstance(v, torch.Tensor) or v.shape != p.shape for v, p in zip(pieces, per_tensor)):
+                    return f"its state '{key}' is not shaped like each parameter"
+                reason = _mismatch(f"state '{key}'", torch.cat([v.reshape(-1) for v in pieces]), value)
+                if reason:
+                    return reason
+            else:
+                scalar = value.item() if isinstance(value, torch.Tensor) else value
+                others = [v.item() if isinstance(v, torch.Tensor) else v for v in pieces]
+                if any(o != scalar for o in others):
+                    return f"its scalar state '{key}' differs per tensor ({others}) and flat ({scalar})"
+    return None

@@ -1,0 +1,42 @@
+"""Named exceptions and warnings of bagua_integrations.
+
+Every refusal says what went wrong and what to do about it, so a user never has to
+guess whether the fused optimizer changed their math.
+"""
+
+
+class FusionError(RuntimeError):
+    """Base class for errors raised while fusing or stepping a fused optimizer."""
+
+
+class NotAnOptimizerError(FusionError, TypeError):
+    """``fuse_optimizer`` was given something that is not a ``torch.optim.Optimizer``."""
+
+
+class EmptyOptimizerError(FusionError, ValueError):
+    """The optimizer has no parameters to fuse."""
+
+
+class AlreadyFusedError(FusionError):
+    """The optimizer was fused before; fusing again would re-flatten its views."""
+
+
+class NotElementwiseError(FusionError):
+    """The optimizer's update of one element depends on other elements.
+
+    Flattening such an optimizer (LAMB, LARS, Adafactor, per-parameter clipping, ...)
+    would silently change its math, so it is refused unless the caller asks for the
+    exact unfused fallback or explicitly forces fusion.
+    """
+
+
+class LayoutChangedError(FusionError):
+    """A fused parameter changed device, dtype or shape after fusing."""
+
+
+class FusionFallbackWarning(UserWarning):
+    """Some parameters keep the exact unfused (per-tensor) update."""
+
+
+class CompileFallbackWarning(UserWarning):
+    """The compiled fused step could not be used; the eager fused step runs instead."""

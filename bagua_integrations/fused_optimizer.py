@@ -1,0 +1,489 @@
+"""Generic fused optimizer: any elementwise PyTorch optimizer, updated over flat buffers.
+
+``fuse_optimizer(opt)`` keeps ``opt`` an instance of its own class. Its parameters, gradients
+and parameter-shaped state become views of one contiguous buffer per (param group, device,
+dtype), and ``opt.fuse_step()`` runs the optimizer's *own* ``step`` on a few flat tensors
+instead of hundreds of small ones. Whether that is exact is checked first by a probe
+(see ``_probe.py``); optimizers whose update is not elementwise are refused or keep their
+exact unfused step.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ._flat import FlatBuffer, Slot
+from ._probe import probe_elementwise
+from .errors import (
+    AlreadyFusedError,
+    EmptyOptimizerError,
+    FusionError,
+    FusionFallbackWarning,
+    NotAnOptimizerError,
+    NotElementwiseError,
+)
+
+__all__ = ["fuse_optimizer", "is_fused_optimizer", "fusion_report", "FusionReport"]
+
+_ATTR = "_bagua_fusion"
+_ON_UNSUPPORTED = ("raise", "fallback")
+
+
+@dataclass
+class FusionReport:
+    """What the fused optimizer did on its last step (or will do, before the first one)."""
+
+    fused_params: int  # tensors updated through flat buffers
+    unfused_params: int  # tensors updated one by one (refused groups, sparse grads, ...)
+    flat_buffers: int
+    flat_runs: int  # flat tensors handed to the optimizer on the last step (ideally == flat_buffers)
+    fused_steps: int
+    last_step_fused: bool
+    compiled: bool = False
+    reasons: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    buffer: FlatBuffer
+    first: int
+    last: int
+    proxy: torch.nn.Parameter
+
+    @property
+    def slots(self) -> List[Slot]:
+        return self.buffer.slots[self.first : self.last]
+
+
+class _GroupLayout:
+    def __init__(self, params: List[torch.Tensor]):
+        self.param_ids = tuple(id(p) for p in params)
+        self.buffers: List[FlatBuffer] = []
+        self.loose: List[torch.Tensor] = []  # always stepped per tensor
+
+    def slots(self):
+        for buffer in self.buffers:
+            yield from buffer.slots
+
+
+class FusedLayout:
+    """All fusion bookkeeping of one optimizer, stored on it as ``optimizer._bagua_fusion``."""
+
+    def __init__(self, optimizer, do_flatten, on_unsupported, assume_elementwise):
+        self.optimizer = optimizer
+        self.do_flatten = do_flatten
+        self.on_unsupported = on_unsupported
+        self.assume_elementwise = assume_elementwise
+        self.groups: Dict[int, _GroupLayout] = {}
+        self.reasons: Dict[str, str] = {}
+        self.dirty = True  # scalar-state tokens must be recomputed from values
+        self.in_fused_step = False
+        self.fused_steps = 0
+        self.last_step = None  # None before any step, then "fused" or "ordinary"
+        self.last_fused_params = 0
+        self.last_unfused_params = 0
+        self.last_runs = 0
+        self.executor = None  # set by the compiled path (issue: fused kernel)
+        self._probe_cache: Dict[Tuple[str, torch.device], Optional[str]] = {}
+        self._warned = set()
+        self.handles = [
+            optimizer.register_step_post_hook(self._after_any_step),
+            optimizer.register_load_state_dict_post_hook(self._after_load),
+        ]
+        for index, group in enumerate(optimizer.param_groups):
+            self._build_group(index, group)
+
+    # ------------------------------------------------------------------ layout construction
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, FusionFallbackWarning, stacklevel=4)
+
+    def _param_name(self, group, index, i, p) -> str:
+        names = group.get("param_names")
+        name = names[i] if names and i < len(names) else f"param_groups[{index}]['params'][{i}]"
+        return f"{name} {tuple(p.shape)}"
+
+    def _probe(self, group, device) -> Optional[str]:
+        if self.assume_elementwise:
+            return None
+        key = (repr(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names"))), device)
+        if key not in self._probe_cache:
+            self._probe_cache[key] = probe_elementwise(self.optimizer, group, device)
+        return self._probe_cache[key]
+
+    def _build_group(self, index: int, group: Dict[str, Any]) -> None:
+        params = group["params"]
+        layout = _GroupLayout(params)
+        by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        storages = defaultdict(int)
+        for p in params:
+            storages[p.untyped_storage().data_ptr()] += 1
+        for i, p in enumerate(params):
+            reason = None
+            if p.numel() == 0:
+                reason = "it has no elements"
+            elif p.layout != torch.strided:
+                reason = "it is not a dense tensor"
+            elif storages[p.untyped_storage().data_ptr()] > 1 and self.do_flatten:
+                reason = "it shares memory with another parameter (flattening would untie them)"
+            if reason:
+                self.reasons[self._param_name(group, index, i, p)] = reason
+                layout.loose.append(p)
+            else:
+                by_key.setdefault((p.device, p.dtype), []).append(p)
+        cls = type(self.optimizer).__name__
+        for (device, dtype), members in by_key.items():
+            reason = self._probe(group, device)
+            if reason is None and not self.do_flatten and not FlatBuffer.adoptable(members):
+                reason = "do_flatten=False and its parameters are not already contiguous in memory"
+            if reason is not None:
+                if self.on_unsupported == "raise":
+                    self._remove_hooks()
+                    raise NotElementwiseError(
+                        f"{cls} (param group {index}) cannot be fused exactly: {reason}. Flattening would "
+                        f"change its math (per-tensor norms, clipping or shape-dependent updates). Use "
+                        f"fuse_optimizer(opt, on_unsupported='fallback') to keep its exact unfused step, or "
+                        f"fuse_optimizer(opt, assume_elementwise=True) to force fusion if you know the update "
+                        f"is elementwise."
+                    )
+                self._warn_once(
+                    f"group{index}",
+                    f"{cls} param group {index} keeps its unfused step: {reason}",
+                )
+                for i, p in enumerate(params):
+                    if p in members:
+                        self.reasons[self._param_name(group, index, i, p)] = reason
+                layout.loose.extend(members)
+                continue
+            # Trainable parameters first: frozen ones never get gradients and would split runs.
+            ordered = [p for p in members if p.requires_grad] + [p for p in members if not p.requires_grad]
+            if not self.do_flatten:
+                ordered = members
+            buffer = FlatBuffer(ordered, flatten=self.do_flatten)
+            for slot in buffer.slots:
+                if slot.param.requires_grad:
+                    slot.hook = slot.param.register_post_accumulate_grad_hook(self._grad_hook(buffer, slot))
+            layout.buffers.append(buffer)
+        self.groups[index] = layout
+        self.dirty = True
+
+    @staticmethod
+    def _grad_hook(buffer: FlatBuffer, slot: Slot):
+        # After zero_grad(set_to_none=True) autograd hands over a fresh tensor: move it into
+        # the flat gradient buffer so every step stays as fused as the first one.
+        def hook(param: torch.Tensor) -> None:
+            buffer.sync_grad(slot)
+
+        return hook
+
+    def _remove_hooks(self) -> None:
+        for layout in self.groups.values():
+            for slot in layout.slots():
+                if slot.hook is not None:
+                    slot.hook.remove()
+                    slot.hook = None
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def refresh_groups(self) -> None:
+        """Lay out groups added with ``add_param_group`` (or whose parameter lists changed)."""
+        for index, group in enumerate(self.optimizer.param_groups):
+            layout = self.groups.get(index)
+            if layout is None or layout.param_ids != tuple(id(p) for p in group["params"]):
+                if layout is not None:
+                    for slot in layout.slots():
+                        if slot.hook is not None:
+                            slot.hook.remove()
+                self._build_group(index, group)
+        for index in [i for i in self.groups if i >= len(self.optimizer.param_groups)]:
+            del self.groups[index]
+
+    # ------------------------------------------------------------------ hooks on the optimizer
+    def _after_any_step(self, optimizer, args, kwargs) -> None:
+        if not self.in_fused_step:
+            # An ordinary per-tensor step may advance some parameters' scalar state and not others'.
+            self.dirty = True
+            self.last_step = "ordinary"
+
+    def _after_load(self, optimizer) -> None:
+        self.dirty = True
+
+    # ------------------------------------------------------------------ scalar-state tokens
+    @staticmethod
+    def _signature(state: Dict[str, Any], param: torch.Tensor):
+        tensors, scalars = [], []
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if value.shape != param.shape:
+                    return None
+                tensors.append((key, value.dtype))
+            elif isinstance(value, torch.Tensor):
+                scalars.append((key, value.item(), value.dtype, value.device))
+            else:
+                try:
+                    hash(value)
+                except TypeError:
+                    return None
+                scalars.append((key, value))
+        return tuple(sorted(tensors, key=repr)), tuple(sorted(scalars, key=repr))
+
+    def _retoken(self) -> None:
+        state = self.optimizer.state
+        tokens: Dict[Any, object] = {}
+        for layout in self.groups.values():
+            for slot in layout.slots():
+                signature = self._signature(state.get(slot.param, {}), slot.param)
+                slot.token = object() if signature is None else tokens.setdefault(signature, object())
+                if signature is None:
+                    slot.token = _LOOSE
+        self.dirty = False
+
+    # ------------------------------------------------------------------ one fused step
+    def plan(self):
+        """Decide which flat runs and loose parameters this step updates."""
+        self.refresh_groups()
+        if self.dirty:
+            self._retoken()
+        state = self.optimizer.state
+        group_params: List[List[torch.Tensor]] = []
+        runs: List[_Run] = []
+        loose_count = 0
+        for index, group in enumerate(self.optimizer.param_groups):
+            layout = self.groups[index]
+            params: List[torch.Tensor] = list(layout.loose)
+            loose_count += sum(1 for p in layout.loose if p.grad is not None)
+            for buffer in layout.buffers:
+                first = None
+                slots = buffer.slots
+                for i, slot in enumerate(slots + [None]):
+                    ok = False
+                    if slot is not None:
+                        buffer.sync_param(slot)
+                        ok = buffer.sync_grad(slot) and slot.token is not _LOOSE
+                        if not ok and slot.param.grad is not None:
+                            # sparse gradient or non-elementwise state: exact per-tensor step
+                            self._warn_once(
+                                f"loose{id(slot)}",
+                                f"a fused parameter of shape {tuple(slot.param.shape)} is updated unfused "
+                                f"this step (sparse gradient or state not shaped like the parameter)",
+                            )
+                            params.append(slot.param)
+                            loose_count += 1
+                            self.dirty = True
+                    if first is not None and not (ok and slot.token is slots[first].token):
+                        runs.append(self._make_run(buffer, first, i, state))
+                        params.append(runs[-1].proxy)
+                        first = None
+                    if ok and first is None:
+                        first = i
+            group_params.append(params)
+        return group_params, runs, loose_count
+
+    def _make_run(self, buffer: FlatBuffer, first: int, last: int, state) -> _Run:
+        run = _Run(buffer, first, last, buffer.proxy(first, last))
+        lead = state.get(buffer.slots[first].param)
+        run_state: Dict[str, Any] = {}
+        if lead:
+            for key, value in lead.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    for slot in run.slots:
+                        buffer.sync_state(key, slot, state[slot.param][key])
+                    start, end = buffer.slots[first].start, buffer.slots[last - 1].end
+                    run_state[key] = buffer.state[key][start:end]
+                else:
+                    run_state[key] = value
+        run.state = run_state
+        return run
+
+    def write_back(self, runs: List[_Run], swapped_state) -> None:
+        """Map the flat state the optimizer produced back onto every parameter's state."""
+        state = self.optimizer.state
+        for run in runs:
+            buffer = run.buffer
+            new_state = swapped_state.get(run.proxy, {})
+            start, end = buffer.slots[run.first].start, buffer.slots[run.last - 1].end
+            token = object()
+            for key, value in new_state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if value.shape != run.proxy.shape:
+                        raise FusionError(
+                            f"{type(self.optimizer).__name__} created state '{key}' of shape "
+                            f"{tuple(value.shape)} for a flat tensor of shape {tuple(run.proxy.shape)}; "
+                            "its update is not elementwise. Fuse it with on_unsupported='fallback' "
+                            "and without assume_elementwise=True."
+                        )
+                    buffer.adopt_or_copy_state(key, start, end, value)
+                    for slot in run.slots:
+                        view = buffer.state_view(key, slot)
+                        per_param = state[slot.param]
+                        if per_param.get(key) is not view:
+                            per_param[key] = view
+                else:
+                    for slot in run.slots:
+                        per_param = state[slot.param]
+                        current = per_param.get(key)
+                        if current is value:
+                            continue
+                        if (
+                            isinstance(value, torch.Tensor)
+                            and isinstance(current, torch.Tensor)
+                            and current.shape == value.shape
+                            and current.dtype == value.dtype
+                            and current.device == value.device
+                        ):
+                            current.copy_(value)
+                        else:
+                            per_param[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            for slot in run.slots:
+                slot.token = token
+
+    def fused_params_total(self) -> int:
+        return sum(len(layout_buffer.slots) for layout in self.groups.values() for layout_buffer in layout.buffers)
+
+    def loose_params_total(self) -> int:
+        return sum(len(layout.loose) for layout in self.groups.values())
+
+
+_LOOSE = object()
+
+
+@contextmanager
+def swapped_params_and_state(optimizer, group_params, state):
+    """Temporarily give ``optimizer`` other parameter lists (one per group) and another state dict."""
+    saved_params = [group["params"] for group in optimizer.param_groups]
+    saved_state = optimizer.state
+    try:
+        for group, params in zip(optimizer.param_groups, group_params):
+            group["params"] = params
+        optimizer.state = state
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved_params):
+            group["params"] = params
+        optimizer.state = saved_state
+
+
+def _run_class_step(optimizer) -> None:
+    type(optimizer).step(optimizer)
+
+
+def _fuse_step(self, closure=None):
+    """Update every flat buffer with one call of the optimizer's own ``step``."""
+    layout: FusedLayout = getattr(self, _ATTR)
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    group_params, runs, loose_count = layout.plan()
+    swapped = defaultdict(dict)
+    for run in runs:
+        swapped[run.proxy] = run.state
+    loose = [p for params in group_params for p in params if not any(p is r.proxy for r in runs)]
+    for p in loose:
+        if p in self.state:
+            swapped[p] = self.state[p]
+    layout.in_fused_step = True
+    try:
+        with swapped_params_and_state(self, group_params, swapped):
+            (layout.executor or _run_class_step)(self)
+    finally:
+        layout.in_fused_step = False
+    for p in loose:
+        if p in swapped:
+            self.state[p] = swapped[p]
+    layout.write_back(runs, swapped)
+    layout.fused_steps += 1
+    layout.last_step = "fused"
+    layout.last_fused_params = sum(run.last - run.first for run in runs)
+    layout.last_unfused_params = loose_count
+    layout.last_runs = len(runs)
+    # LR schedulers check this flag to warn about scheduler.step() before optimizer.step().
+    self._opt_called = True
+    return loss
+
+
+def fuse_optimizer(
+    optimizer: torch.optim.Optimizer,
+    do_flatten: bool = True,
+    *,
+    replace_step: bool = False,
+    on_unsupported: str = "raise",
+    assume_elementwise: bool = False,
+) -> torch.optim.Optimizer:
+    """Fuse ``optimizer`` in place and return it (still an instance of its own class).
+
+    Args:
+        do_flatten: move parameters into new flat buffers. With ``False`` parameters stay where
+            they are and only groups already contiguous in memory are fused.
+        replace_step: make ``optimizer.step()`` take the fused path too, for frameworks that
+            only ever call ``step()`` (HF Trainer, GradScaler, fairseq). ``fuse_step()`` always does.
+        on_unsupported: ``"raise"`` a :class:`NotElementwiseError` for a non-elementwise optimizer,
+            or ``"fallback"`` to its exact unfused step for those groups, with one warning.
+        assume_elementwise: skip the probe and fuse anyway (only when you know the update is
+            elementwise; a wrong guess changes the math).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise NotAnOptimizerError(
+            f"fuse_optimizer expects a torch.optim.Optimizer instance, got {type(optimizer).__name__}; "
+            "build the optimizer first, e.g. fuse_optimizer(torch.optim.AdamW(model.parameters()))"
+        )
+    if is_fused_optimizer(optimizer):
+        raise AlreadyFusedError(
+            f"this {type(optimizer).__name__} is already fused; call fuse_optimizer once per optimizer"
+        )
+    if on_unsupported not in _ON_UNSUPPORTED:
+        raise ValueError(f"on_unsupported must be one of {_ON_UNSUPPORTED}, got {on_unsupported!r}")
+    if not any(group["params"] for group in optimizer.param_groups):
+        raise EmptyOptimizerError(
+            f"{type(optimizer).__name__} has no parameters to fuse; pass the model's parameters "
+            "when building it (or add_param_group before fusing)"
+        )
+    layout = FusedLayout(optimizer, do_flatten, on_unsupported, assume_elementwise)
+    setattr(optimizer, _ATTR, layout)
+    optimizer.fuse_step = types.MethodType(_fuse_step, optimizer)
+    if replace_step:
+        optimizer.step = types.MethodType(_fuse_step, optimizer)
+    return optimizer
+
+
+def is_fused_optimizer(optimizer: Any) -> bool:
+    """True when ``optimizer`` went through :func:`fuse_optimizer`."""
+    return isinstance(getattr(optimizer, _ATTR, None), FusedLayout)
+
+
+def fused_layout(optimizer) -> FusedLayout:
+    """The flat-buffer layout of a fused optimizer (used by the distributed reducer)."""
+    if not is_fused_optimizer(optimizer):
+        raise FusionError("this optimizer is not fused; call fuse_optimizer(optimizer) first")
+    return getattr(optimizer, _ATTR)
+
+
+def fusion_report(optimizer) -> FusionReport:
+    """Describe how much of ``optimizer`` is fused (for the last step, or the plan before one)."""
+    layout = fused_layout(optimizer)
+    buffers = sum(len(group.buffers) for group in layout.groups.values())
+    if layout.last_step is None:
+        fused, unfused, runs = layout.fused_params_total(), layout.loose_params_total(), buffers
+    elif layout.last_step == "fused":
+        fused, unfused, runs = layout.last_fused_params, layout.last_unfused_params, layout.last_runs
+    else:
+        fused, unfused, runs = 0, sum(len(g["params"]) for g in optimizer.param_groups), 0
+    return FusionReport(
+        fused_params=fused,
+        unfused_params=unfused,
+        flat_buffers=buffers,
+        flat_runs=runs,
+        fused_steps=layout.fused_steps,
+        last_step_fused=layout.last_step == "fused",
+        compiled=layout.executor is not None,
+        reasons=dict(layout.reasons),
+    )

@@ -1,0 +1,1 @@
+"""HuggingFace Trainer / Accelerate integration (filled in by the HF plugin issue)."""
