@@ -129,6 +129,8 @@ class FlatBuffer:
         if g is None or g.layout != torch.strided:
             return False
         view = slot.grad_view
+        if g.dtype != view.dtype or g.device != view.device or g.shape != view.shape:
+            return False  # the parameter itself moved; sync_param raises LayoutChangedError
         if g.data_ptr() != view.data_ptr():
             with torch.no_grad():
                 view.copy_(g)

@@ -101,10 +101,10 @@ class FusedLayout:
             self._build_group(index, group)
 
     # ------------------------------------------------------------------ layout construction
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, stacklevel: int) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, FusionFallbackWarning, stacklevel=4)
+            warnings.warn(message, FusionFallbackWarning, stacklevel=stacklevel + 1)
 
     def _param_name(self, group, index, i, p) -> str:
         names = group.get("param_names")
@@ -157,9 +157,11 @@ class FusedLayout:
                 self._warn_once(
                     f"group{index}",
                     f"{cls} param group {index} keeps its unfused step: {reason}",
+                    stacklevel=4,  # _build_group <- FusedLayout <- fuse_optimizer <- user
                 )
+                member_ids = {id(p) for p in members}
                 for i, p in enumerate(params):
-                    if p in members:
+                    if id(p) in member_ids:
                         self.reasons[self._param_name(group, index, i, p)] = reason
                 layout.loose.extend(members)
                 continue
@@ -275,6 +277,7 @@ class FusedLayout:
                                 f"loose{id(slot)}",
                                 f"a fused parameter of shape {tuple(slot.param.shape)} is updated unfused "
                                 f"this step (sparse gradient or state not shaped like the parameter)",
+                                stacklevel=3,  # plan <- fuse_step <- user
                             )
                             params.append(slot.param)
                             loose_count += 1

@@ -1,0 +1,65 @@
+"""Shared helpers for the fused-optimizer tests: a small model, a training loop, comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+SEED = 0
+
+
+class TinyNet(torch.nn.Module):
+    """Two layers that train, plus one that never receives a gradient."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.fc1 = torch.nn.Linear(6, 10).to(dtype)
+        self.fc2 = torch.nn.Linear(10, 3).to(dtype)
+        self.unused = torch.nn.Linear(3, 3).to(dtype)  # in the optimizer, never in forward
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def two_groups(model: TinyNet, **second):
+    """Two param groups with different hyper-parameters (the second from ``second``)."""
+    return [
+        {"params": [model.fc1.weight, model.fc1.bias, model.unused.weight]},
+        {"params": [model.fc2.weight, model.fc2.bias, model.unused.bias], **second},
+    ]
+
+
+def batches(steps: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(SEED + 1)
+    return [(torch.randn(16, 6, generator=gen).to(dtype), torch.randn(16, 3, generator=gen).to(dtype)) for _ in range(steps)]
+
+
+def train(model, optimizer, data, step=None, set_to_none=True):
+    """Plain loop: zero_grad(set_to_none), forward, backward, step. Returns the losses."""
+    step = step or optimizer.step
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad(set_to_none=set_to_none)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_same_params(model_a, model_b, rtol=1e-6, atol=1e-7):
+    for (name, a), (_, b) in zip(model_a.named_parameters(), model_b.named_parameters()):
+        torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_same_state(opt_a, opt_b, rtol=1e-6, atol=1e-7):
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert sa.keys() == sb.keys(), (sa.keys(), sb.keys())
+    for index in sa:
+        assert sa[index].keys() == sb[index].keys()
+        for key in sa[index]:
+            va, vb = sa[index][key], sb[index][key]
+            if isinstance(va, torch.Tensor):
+                torch.testing.assert_close(va.float(), vb.float(), rtol=rtol, atol=atol, msg=lambda m: f"state[{index}][{key}]: {m}")
+            else:
+                assert va == vb, (index, key, va, vb)

@@ -1,0 +1,460 @@
+"""fuse_optimizer: same numbers as the unfused optimizer, or a clear refusal."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+
+from _fused_utils import TinyNet, assert_same_params, assert_same_state, batches, train, two_groups
+from bagua_integrations import (
+    AlreadyFusedError,
+    EmptyOptimizerError,
+    FusionFallbackWarning,
+    NotAnOptimizerError,
+    NotElementwiseError,
+    fuse_optimizer,
+    fusion_report,
+    is_fused_optimizer,
+)
+from bagua_integrations.optim import BertAdam
+
+O = torch.optim
+# name -> (class, kwargs of the first group, overrides of the second group)
+TORCH_OPTIMIZERS = {
+    "SGD": (O.SGD, dict(lr=0.05), dict(lr=0.02)),
+    "SGD-momentum-nesterov-wd": (O.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01), dict(lr=0.02, weight_decay=0.0)),
+    "SGD-foreach": (O.SGD, dict(lr=0.05, momentum=0.9, foreach=True), dict(lr=0.02)),
+    "SGD-fused": (O.SGD, dict(lr=0.05, momentum=0.9, fused=True), dict(lr=0.02)),
+    "Adam": (O.Adam, dict(lr=1e-2, weight_decay=0.01, foreach=False), dict(lr=3e-3, weight_decay=0.0)),
+    "Adam-amsgrad": (O.Adam, dict(lr=1e-2, amsgrad=True), dict(lr=3e-3)),
+    "Adam-foreach": (O.Adam, dict(lr=1e-2, foreach=True), dict(lr=3e-3)),
+    "Adam-fused": (O.Adam, dict(lr=1e-2, fused=True), dict(lr=3e-3)),
+    "AdamW": (O.AdamW, dict(lr=1e-2, weight_decay=0.1, foreach=False), dict(lr=3e-3, weight_decay=0.0)),
+    "AdamW-foreach": (O.AdamW, dict(lr=1e-2, weight_decay=0.1, foreach=True), dict(lr=3e-3, weight_decay=0.0)),
+    "AdamW-fused": (O.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True), dict(lr=3e-3, weight_decay=0.0)),
+    "Adagrad": (O.Adagrad, dict(lr=0.1, weight_decay=0.01), dict(lr=0.05)),
+    "Adagrad-fused": (O.Adagrad, dict(lr=0.1, fused=True), dict(lr=0.05)),
+    "Adadelta": (O.Adadelta, dict(lr=1.0, weight_decay=0.01), dict(lr=0.5)),
+    "Adamax": (O.Adamax, dict(lr=1e-2), dict(lr=3e-3)),
+    "NAdam": (O.NAdam, dict(lr=1e-2, weight_decay=0.01, decoupled_weight_decay=True), dict(lr=3e-3)),
+    "RAdam": (O.RAdam, dict(lr=1e-2), dict(lr=3e-3)),
+    "RMSprop-centered": (O.RMSprop, dict(lr=1e-2, centered=True, momentum=0.5), dict(lr=3e-3)),
+    "Rprop": (O.Rprop, dict(lr=1e-2), dict(lr=3e-3)),
+    "ASGD": (O.ASGD, dict(lr=1e-2, t0=3), dict(lr=3e-3)),
+}
+
+
+def pair(cls, kwargs, second, dtype=torch.float32, **fuse_kwargs):
+    a, b = TinyNet(dtype), TinyNet(dtype)
+    plain = cls(two_groups(a, **second), **kwargs)
+    fused = fuse_optimizer(cls(two_groups(b, **second), **kwargs), **fuse_kwargs)
+    return a, plain, b, fused
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_OPTIMIZERS))
+def test_every_torch_optimizer_matches_unfused(name):
+    cls, kwargs, second = TORCH_OPTIMIZERS[name]
+    a, plain, b, fused = pair(cls, kwargs, second)
+    untouched = b.unused.weight.detach().clone()
+    data = batches(12)
+    losses_a = train(a, plain, data)
+    losses_b = train(b, fused, data, step=fused.fuse_step)
+    assert losses_a == pytest.approx(losses_b, rel=1e-6)
+    assert_same_params(a, b)
+    assert_same_state(plain, fused)
+    # never got a gradient: no decay, no momentum (its state, if any, is compared above)
+    assert torch.equal(b.unused.weight, untouched)
+    report = fusion_report(fused)
+    assert report.last_step_fused and report.fused_params == 4 and report.unfused_params == 0
+    assert report.flat_buffers == 2 and report.flat_runs == 2
+    assert type(fused) is cls and is_fused_optimizer(fused)
+
+
+def test_fusion_survives_set_to_none_and_grads_land_in_flat_buffer():
+    from bagua_integrations.fused_optimizer import fused_layout
+
+    a, plain, b, fused = pair(O.AdamW, dict(lr=1e-2), {})
+    train(b, fused, batches(30), step=fused.fuse_step, set_to_none=True)
+    for group in fused_layout(fused).groups.values():
+        for buffer in group.buffers:
+            for slot in buffer.slots:
+                p = slot.param
+                assert p.data_ptr() == buffer.param.data_ptr() + slot.start * p.element_size()
+                if p.grad is not None:
+                    assert p.grad.data_ptr() == buffer.grad.data_ptr() + slot.start * p.element_size()
+                for value in fused.state[p].values():
+                    if isinstance(value, torch.Tensor) and value.dim():
+                        assert value.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+    report = fusion_report(fused)
+    assert report.fused_steps == 30 and report.fused_params == 4 and report.flat_runs == 2
+
+
+def test_step_keeps_ordinary_semantics_and_replace_step_takes_fused_path():
+    a, plain, b, fused = pair(O.Adam, dict(lr=1e-2), {})
+    data = batches(6)
+    train(a, plain, data)
+    train(b, fused, data)  # ordinary .step()
+    assert fusion_report(fused).last_step_fused is False
+    assert_same_params(a, b)
+
+    c = TinyNet()
+    replaced = fuse_optimizer(O.Adam(two_groups(c), lr=1e-2), replace_step=True)
+    train(c, replaced, data)
+    assert fusion_report(replaced).last_step_fused and fusion_report(replaced).fused_steps == 6
+    assert_same_params(a, c)
+
+
+def test_mixing_step_and_fuse_step_with_params_skipping_steps():
+    """A parameter that misses steps keeps its own Adam step count (runs split by scalar state)."""
+    a, plain, b, fused = pair(O.Adam, dict(lr=1e-2), dict(lr=3e-3))
+    data = batches(10)
+    for i, (x, y) in enumerate(data):
+        for model, opt, step in ((a, plain, plain.step), (b, fused, fused.fuse_step if i % 3 else fused.step)):
+            opt.zero_grad()
+            model.fc1.bias.requires_grad_(i % 4 != 1)  # fc1.bias skips some steps
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            step()
+    assert_same_params(a, b)
+    assert_same_state(plain, fused)
+
+
+# --------------------------------------------------------------------------- per-tensor optimizers
+class BertAdamLike(torch.optim.Optimizer):
+    """The seed's use case, written here: per-tensor Adam without bias correction, optional per-param clip."""
+
+    def __init__(self, params, lr=1e-3, b1=0.9, b2=0.999, e=1e-6, weight_decay=0.01, max_grad_norm=-1.0):
+        super().__init__(params, dict(lr=lr, b1=b1, b2=b2, e=e, weight_decay=weight_decay, max_grad_norm=max_grad_norm))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["m"] = torch.zeros_like(p)
+                    state["v"] = torch.zeros_like(p)
+                if group["max_grad_norm"] > 0:
+                    torch.nn.utils.clip_grad_norm_(p, group["max_grad_norm"])
+                state["m"].mul_(group["b1"]).add_(p.grad, alpha=1 - group["b1"])
+                state["v"].mul_(group["b2"]).addcmul_(p.grad, p.grad, value=1 - group["b2"])
+                update = state["m"] / (state["v"].sqrt() + group["e"]) + group["weight_decay"] * p
+                p.add_(update, alpha=-group["lr"])
+                state["step"] += 1
+
+
+class LambLike(torch.optim.Optimizer):
+    """Adam direction scaled by a per-tensor trust ratio ||p|| / ||update||."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state.setdefault(p, {})
+                if not state:
+                    state["m"] = torch.zeros_like(p)
+                state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                trust = p.norm() / state["m"].norm().clamp_min(1e-12)
+                p.add_(state["m"], alpha=-group["lr"] * float(trust))
+
+
+@pytest.mark.parametrize("cls", [BertAdamLike, BertAdam])
+def test_bert_adam_without_clipping_fuses_and_matches(cls):
+    a, plain, b, fused = pair(cls, dict(lr=1e-2, max_grad_norm=-1.0), dict(lr=3e-3, weight_decay=0.0))
+    data = batches(12)
+    train(a, plain, data)
+    train(b, fused, data, step=fused.fuse_step)
+    assert_same_params(a, b)
+    assert_same_state(plain, fused)
+    assert fusion_report(fused).fused_params == 4
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [(BertAdamLike, dict(lr=1e-2, max_grad_norm=1.0)), (BertAdam, dict(lr=1e-2)), (LambLike, dict(lr=1e-2))],
+)
+def test_per_tensor_math_is_refused_or_falls_back_exactly(cls, kwargs):
+    with pytest.raises(NotElementwiseError, match=f"{cls.__name__}.*on_unsupported='fallback'.*assume_elementwise=True"):
+        fuse_optimizer(cls(TinyNet().parameters(), **kwargs))
+
+    a, plain, b, fused = pair(cls, kwargs, {}, on_unsupported="fallback")
+    data = batches(8)
+    train(a, plain, data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(b, fused, data, step=fused.fuse_step)
+    assert not caught  # the one warning came at fuse time
+    assert_same_params(a, b, rtol=0, atol=0)
+    report = fusion_report(fused)
+    assert report.fused_params == 0 and report.unfused_params == 4 and report.reasons
+
+
+def test_fallback_warns_once_at_fuse_time():
+    with pytest.warns(FusionFallbackWarning, match="LambLike param group 0 keeps its unfused step"):
+        fuse_optimizer(LambLike(TinyNet().parameters()), on_unsupported="fallback")
+
+
+@pytest.mark.parametrize("opt", ["adafactor", "lbfgs", "sparse_adam"])
+def test_non_elementwise_torch_optimizers_are_refused(opt):
+    model = TinyNet()
+    optimizer = {
+        "adafactor": lambda: O.Adafactor(model.parameters(), lr=1e-2),
+        "lbfgs": lambda: O.LBFGS(model.parameters()),
+        "sparse_adam": lambda: O.SparseAdam(list(model.parameters())),
+    }[opt]()
+    with pytest.raises(NotElementwiseError):
+        fuse_optimizer(optimizer)
+
+
+# --------------------------------------------------------------------------- state dicts
+def test_state_dict_round_trips_between_fused_and_plain():
+    data = batches(16)
+    ref, ref_opt = TinyNet(), None
+    ref_opt = O.AdamW(two_groups(ref, lr=3e-3), lr=1e-2)
+    train(ref, ref_opt, data)
+
+    # fused for 8 steps -> plain for 8 steps (the seed's promise)
+    m1 = TinyNet()
+    fused = fuse_optimizer(O.AdamW(two_groups(m1, lr=3e-3), lr=1e-2))
+    train(m1, fused, data[:8], step=fused.fuse_step)
+    buffer = io.BytesIO()
+    torch.save({"model": m1.state_dict(), "optimizer": fused.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    m2 = TinyNet()
+    m2.load_state_dict(checkpoint["model"])
+    plain = O.AdamW(two_groups(m2, lr=3e-3), lr=1e-2)
+    plain.load_state_dict(checkpoint["optimizer"])
+    train(m2, plain, data[8:])
+    assert_same_params(ref, m2)
+
+    # plain for 8 steps -> fused for 8 steps (state loaded before or after fusing)
+    for load_after_fusing in (False, True):
+        m3 = TinyNet()
+        plain3 = O.AdamW(two_groups(m3, lr=3e-3), lr=1e-2)
+        train(m3, plain3, data[:8])
+        saved = io.BytesIO()
+        torch.save(plain3.state_dict(), saved)
+        saved.seek(0)
+        m4 = TinyNet()
+        m4.load_state_dict(m3.state_dict())
+        opt4 = O.AdamW(two_groups(m4, lr=3e-3), lr=1e-2)
+        if load_after_fusing:
+            fuse_optimizer(opt4).load_state_dict(torch.load(saved))
+        else:
+            opt4.load_state_dict(torch.load(saved))
+            fuse_optimizer(opt4)
+        train(m4, opt4, data[8:], step=opt4.fuse_step)
+        assert_same_params(ref, m4)
+        assert_same_state(ref_opt, opt4)
+        assert fusion_report(opt4).fused_params == 4
+
+
+def test_state_dict_has_the_original_format():
+    a, plain, b, fused = pair(O.Adam, dict(lr=1e-2), dict(lr=3e-3))
+    data = batches(3)
+    train(a, plain, data)
+    train(b, fused, data, step=fused.fuse_step)
+    sa, sb = plain.state_dict(), fused.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for index, entry in sb["state"].items():
+        assert entry["exp_avg"].shape == sa["state"][index]["exp_avg"].shape
+        assert entry["step"].dim() == 0
+
+
+def test_add_param_group_after_fusing():
+    a, plain, b, fused = pair(O.SGD, dict(lr=0.05, momentum=0.9), {})
+    extra_a, extra_b = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(5))
+    plain.add_param_group({"params": [extra_a], "lr": 0.1})
+    fused.add_param_group({"params": [extra_b], "lr": 0.1})
+    data = batches(6)
+    for opt, model, extra, step in ((plain, a, extra_a, plain.step), (fused, b, extra_b, fused.fuse_step)):
+        for x, y in data:
+            opt.zero_grad()
+            (torch.nn.functional.mse_loss(model(x), y) + extra.pow(2).sum()).backward()
+            step()
+    assert_same_params(a, b)
+    torch.testing.assert_close(extra_a, extra_b, rtol=1e-6, atol=0)
+    assert fusion_report(fused).flat_buffers == 3 and fusion_report(fused).fused_params == 5
+
+
+# --------------------------------------------------------------------------- dtypes, AMP, schedulers
+def test_bf16_parameters_match():
+    a, plain, b, fused = pair(O.AdamW, dict(lr=1e-2, foreach=False), {}, dtype=torch.bfloat16)
+    data = batches(8, dtype=torch.bfloat16)
+    train(a, plain, data)
+    train(b, fused, data, step=fused.fuse_step)
+    assert_same_params(a, b, rtol=0, atol=0)
+    assert fusion_report(fused).fused_params == 4
+
+
+@pytest.mark.parametrize("fused_kernel", [False, True])
+def test_grad_scaler_with_replace_step(fused_kernel):
+    def run(fuse):
+        model = TinyNet()
+        opt = O.AdamW(model.parameters(), lr=1e-2, fused=fused_kernel)
+        if fuse:
+            fuse_optimizer(opt, replace_step=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        for i, (x, y) in enumerate(batches(8)):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if i == 3:
+                loss = loss * float("inf")  # an overflow step must be skipped
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return model, opt, scaler.get_scale()
+
+    a, plain, scale_a = run(False)
+    b, fused, scale_b = run(True)
+    assert scale_a == scale_b
+    assert_same_params(a, b)
+    assert fusion_report(fused).last_step_fused
+
+
+def test_lr_scheduler_works_and_does_not_warn():
+    a, plain, b, fused = pair(O.SGD, dict(lr=0.1, momentum=0.9), {}, replace_step=True)
+    sched_a = O.lr_scheduler.StepLR(plain, step_size=2, gamma=0.5)
+    sched_b = O.lr_scheduler.StepLR(fused, step_size=2, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in batches(7):
+            for model, opt, sched in ((a, plain, sched_a), (b, fused, sched_b)):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                sched.step()
+    assert fused.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    assert_same_params(a, b)
+
+
+def test_closure_is_evaluated_once_like_the_unfused_step():
+    a, plain, b, fused = pair(O.SGD, dict(lr=0.05, momentum=0.9), {})
+    for x, y in batches(5):
+        results = []
+        for model, opt, step in ((a, plain, plain.step), (b, fused, fused.fuse_step)):
+            def closure(model=model, opt=opt):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+            results.append(step(closure).item())
+        assert results[0] == pytest.approx(results[1], rel=1e-6)
+    assert_same_params(a, b)
+
+
+# --------------------------------------------------------------------------- memory
+def _unique_bytes(tensors):
+    seen = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def test_fusing_keeps_no_duplicate_copies():
+    def footprint(fuse):
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+        opt = O.Adam(model.parameters(), lr=1e-3)
+        if fuse:
+            fuse_optimizer(opt)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 64)).sum().backward()
+            (opt.fuse_step if fuse else opt.step)()
+        tensors = list(model.parameters()) + [p.grad for p in model.parameters()]
+        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+        return _unique_bytes(tensors)
+
+    plain, fused = footprint(False), footprint(True)
+    assert fused <= plain * 1.05, (plain, fused)
+
+
+# --------------------------------------------------------------------------- sparse grads, do_flatten
+def test_sparse_gradient_takes_the_exact_per_tensor_step():
+    def run(fuse):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(20, 4, sparse=True)
+        head = torch.nn.Linear(4, 1)
+        opt = O.SGD(list(emb.parameters()) + list(head.parameters()), lr=0.1)
+        if fuse:
+            fuse_optimizer(opt)
+        for i in range(4):
+            opt.zero_grad()
+            head(emb(torch.tensor([i, i + 1, 7]))).sum().backward()
+            (opt.fuse_step if fuse else opt.step)()
+        return emb.weight.detach().clone(), head.weight.detach().clone(), opt
+
+    e1, h1, _ = run(False)
+    with pytest.warns(FusionFallbackWarning, match="sparse gradient"):
+        e2, h2, fused = run(True)
+    torch.testing.assert_close(e1, e2, rtol=0, atol=0)
+    torch.testing.assert_close(h1, h2, rtol=1e-6, atol=0)
+    assert fusion_report(fused).unfused_params == 1 and fusion_report(fused).fused_params == 2
+
+
+def test_do_flatten_false_adopts_contiguous_params_and_refuses_scattered_ones():
+    storage = torch.randn(30)
+    params = [torch.nn.Parameter(storage[:10].view(2, 5)), torch.nn.Parameter(storage[10:30])]
+    # nn.Parameter() detaches but keeps the storage: both are views of `storage`, back to back
+    opt = fuse_optimizer(O.SGD(params, lr=0.1), do_flatten=False, on_unsupported="fallback")
+    ref = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.fuse_step()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach(), r - 0.1)
+    assert fusion_report(opt).fused_params == 2 and params[0].data_ptr() == storage.data_ptr()
+
+    with pytest.warns(FusionFallbackWarning, match="not already contiguous"):
+        fuse_optimizer(O.SGD(TinyNet().parameters(), lr=0.1), do_flatten=False, on_unsupported="fallback")
+
+
+# --------------------------------------------------------------------------- bad input
+def test_bad_input_gets_named_errors():
+    model = TinyNet()
+    opt = fuse_optimizer(O.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(AlreadyFusedError, match="already fused"):
+        fuse_optimizer(opt)
+    with pytest.raises(NotAnOptimizerError, match="torch.optim.Optimizer"):
+        fuse_optimizer(model)
+    with pytest.raises(TypeError):  # NotAnOptimizerError is a TypeError too
+        fuse_optimizer([p for p in model.parameters()])
+    empty = O.SGD([{"params": []}], lr=0.1)
+    with pytest.raises(EmptyOptimizerError, match="no parameters"):
+        fuse_optimizer(empty)
+    with pytest.raises(ValueError, match="on_unsupported"):
+        fuse_optimizer(O.SGD(TinyNet().parameters(), lr=0.1), on_unsupported="ignore")
+
+
+def test_refused_fusion_leaves_the_optimizer_untouched():
+    model = TinyNet()
+    before = [p.data_ptr() for p in model.parameters()]
+    opt = LambLike(model.parameters())
+    with pytest.raises(NotElementwiseError):
+        fuse_optimizer(opt)
+    assert not is_fused_optimizer(opt)
+    assert [p.data_ptr() for p in model.parameters()] == before
+    fuse_optimizer(opt, on_unsupported="fallback")  # and can still be fused differently afterwards
+
+
+def test_moving_params_after_fusing_is_a_named_error():
+    from bagua_integrations import LayoutChangedError
+
+    model = TinyNet()
+    opt = fuse_optimizer(O.SGD(model.parameters(), lr=0.1))
+    model.double()
+    model(torch.randn(2, 6, dtype=torch.double)).sum().backward()
+    with pytest.raises(LayoutChangedError, match="before calling fuse_optimizer"):
+        opt.fuse_step()
