@@ -67,6 +67,7 @@ class FlatBuffer:
                 slot.param.grad = slot.grad_view
         self.state: Dict[str, torch.Tensor] = {}
         self.proxies: Dict[Tuple[int, int], torch.nn.Parameter] = {}
+        self._run_views: Dict[Tuple[str, int, int], torch.Tensor] = {}
 
     @staticmethod
     def adoptable(params: List[torch.Tensor]) -> bool:
@@ -173,6 +174,17 @@ class FlatBuffer:
             flat[start:end].copy_(value)
         self.state[key] = flat
         return flat
+
+    def state_slice(self, key: str, start: int, end: int) -> torch.Tensor:
+        """The flat state of ``[start, end)``; the same tensor object every step (compilers guard on it)."""
+        flat = self.state[key]
+        if start == 0 and end == self.numel:
+            return flat
+        view = self._run_views.get((key, start, end))
+        if view is None or view.data_ptr() != flat.data_ptr() + start * flat.element_size() or view.dtype != flat.dtype:
+            view = flat[start:end]
+            self._run_views[(key, start, end)] = view
+        return view
 
     def proxy(self, first: int, last: int) -> torch.nn.Parameter:
         """A parameter over slots ``[first, last)`` sharing memory with the flat buffers."""

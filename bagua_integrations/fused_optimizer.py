@@ -19,10 +19,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available
 from ._flat import FlatBuffer, Slot
 from ._probe import probe_elementwise
 from .errors import (
     AlreadyFusedError,
+    CompileFallbackWarning,
     EmptyOptimizerError,
     FusionError,
     FusionFallbackWarning,
@@ -34,6 +36,7 @@ __all__ = ["fuse_optimizer", "is_fused_optimizer", "fusion_report", "FusionRepor
 
 _ATTR = "_bagua_fusion"
 _ON_UNSUPPORTED = ("raise", "fallback")
+_COMPILE = (True, False, "auto")
 
 
 @dataclass
@@ -46,7 +49,10 @@ class FusionReport:
     flat_runs: int  # flat tensors handed to the optimizer on the last step (ideally == flat_buffers)
     fused_steps: int
     last_step_fused: bool
-    compiled: bool = False
+    compiled: bool = False  # the last step ran the compiled kernel
+    compile_graphs: int = 0  # graphs compiled so far (the first compile and any recompiles)
+    compile_seconds: float = 0.0  # wall time of the steps that compiled (kept out of step timings)
+    compile_disabled_reason: Optional[str] = None
     reasons: Dict[str, str] = field(default_factory=dict)
 
 
@@ -76,8 +82,9 @@ class _GroupLayout:
 class FusedLayout:
     """All fusion bookkeeping of one optimizer, stored on it as ``optimizer._bagua_fusion``."""
 
-    def __init__(self, optimizer, do_flatten, on_unsupported, assume_elementwise):
+    def __init__(self, optimizer, do_flatten, on_unsupported, assume_elementwise, compile="auto"):
         self.optimizer = optimizer
+        self.compile = compile
         self.do_flatten = do_flatten
         self.on_unsupported = on_unsupported
         self.assume_elementwise = assume_elementwise
@@ -90,7 +97,8 @@ class FusedLayout:
         self.last_fused_params = 0
         self.last_unfused_params = 0
         self.last_runs = 0
-        self.executor = None  # set by the compiled path (issue: fused kernel)
+        self.compiled_step: Optional[CompiledStep] = None
+        self.last_step_compiled = False
         self._probe_cache: Dict[Tuple[str, torch.device], Optional[str]] = {}
         self._warned = set()
         self.handles = [
@@ -99,6 +107,35 @@ class FusedLayout:
         ]
         for index, group in enumerate(optimizer.param_groups):
             self._build_group(index, group)
+        self._setup_compile()
+
+    def _setup_compile(self) -> None:
+        if self.compile is False or not CompiledStep.eligible(self.optimizer):
+            return
+        if self.compile == "auto" and self.fused_elements() < AUTO_MIN_ELEMENTS:
+            return
+        if not compiler_available():
+            if self.compile is True:
+                warnings.warn(
+                    "torch.compile is not usable here (no working C++ compiler / Triton); the eager "
+                    "fused step runs instead",
+                    CompileFallbackWarning,
+                    stacklevel=4,
+                )
+            return
+        self.compiled_step = CompiledStep()
+
+    def fused_elements(self) -> int:
+        return sum(buffer.numel for layout in self.groups.values() for buffer in layout.buffers)
+
+    def run_step(self, optimizer, runs) -> None:
+        """The optimizer's own step over the swapped-in flat tensors: compiled when possible."""
+        # The first step creates state lazily; tracing it would cost a throw-away graph.
+        if self.compiled_step is not None and all(run.state for run in runs):
+            self.last_step_compiled = self.compiled_step(optimizer)
+        else:
+            self.last_step_compiled = False
+            _run_class_step(optimizer)
 
     # ------------------------------------------------------------------ layout construction
     def _warn_once(self, key: str, message: str, stacklevel: int) -> None:
@@ -301,7 +338,7 @@ class FusedLayout:
                     for slot in run.slots:
                         buffer.sync_state(key, slot, state[slot.param][key])
                     start, end = buffer.slots[first].start, buffer.slots[last - 1].end
-                    run_state[key] = buffer.state[key][start:end]
+                    run_state[key] = buffer.state_slice(key, start, end)
                 else:
                     run_state[key] = value
         run.state = run_state
@@ -397,7 +434,7 @@ def _fuse_step(self, closure=None):
     layout.in_fused_step = True
     try:
         with swapped_params_and_state(self, group_params, swapped):
-            (layout.executor or _run_class_step)(self)
+            layout.run_step(self, runs)
     finally:
         layout.in_fused_step = False
     for p in loose:
@@ -421,6 +458,7 @@ def fuse_optimizer(
     replace_step: bool = False,
     on_unsupported: str = "raise",
     assume_elementwise: bool = False,
+    compile="auto",
 ) -> torch.optim.Optimizer:
     """Fuse ``optimizer`` in place and return it (still an instance of its own class).
 
@@ -433,6 +471,10 @@ def fuse_optimizer(
             or ``"fallback"`` to its exact unfused step for those groups, with one warning.
         assume_elementwise: skip the probe and fuse anyway (only when you know the update is
             elementwise; a wrong guess changes the math).
+        compile: run each step as compiled kernels generated from the optimizer's own step
+            (``torch.compile``/Inductor). ``"auto"`` compiles when the fused buffers hold at least
+            2**20 elements and a compiler works; ``True`` always tries; ``False`` stays eager. A
+            compile failure falls back to the eager fused step with one warning.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise NotAnOptimizerError(
@@ -445,12 +487,14 @@ def fuse_optimizer(
         )
     if on_unsupported not in _ON_UNSUPPORTED:
         raise ValueError(f"on_unsupported must be one of {_ON_UNSUPPORTED}, got {on_unsupported!r}")
+    if compile not in _COMPILE:
+        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     if not any(group["params"] for group in optimizer.param_groups):
         raise EmptyOptimizerError(
             f"{type(optimizer).__name__} has no parameters to fuse; pass the model's parameters "
             "when building it (or add_param_group before fusing)"
         )
-    layout = FusedLayout(optimizer, do_flatten, on_unsupported, assume_elementwise)
+    layout = FusedLayout(optimizer, do_flatten, on_unsupported, assume_elementwise, compile)
     setattr(optimizer, _ATTR, layout)
     optimizer.fuse_step = types.MethodType(_fuse_step, optimizer)
     if replace_step:
@@ -487,6 +531,9 @@ def fusion_report(optimizer) -> FusionReport:
         flat_runs=runs,
         fused_steps=layout.fused_steps,
         last_step_fused=layout.last_step == "fused",
-        compiled=layout.executor is not None,
+        compiled=layout.last_step_compiled,
+        compile_graphs=layout.compiled_step.graphs if layout.compiled_step else 0,
+        compile_seconds=layout.compiled_step.compile_seconds if layout.compiled_step else 0.0,
+        compile_disabled_reason=layout.compiled_step.disabled_reason if layout.compiled_step else None,
         reasons=dict(layout.reasons),
     )

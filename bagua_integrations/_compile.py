@@ -1,0 +1,222 @@
+"""The compiled fused step: the optimizer's own ``step`` over flat tensors, as Inductor kernels.
+
+Flattening alone makes a step *slower* on CPU: each elementwise op becomes a full pass over
+the whole buffer with full-size temporaries. Compiling the optimizer's own step with
+``torch.compile`` fuses its ops into one kernel per flat buffer (C++/OpenMP on CPU, Triton on
+CUDA): one read of param, grad and state, one write.
+
+Three details make this work for *any* elementwise optimizer:
+
+* ``fullgraph=True``: the whole step is one graph or compilation fails before anything runs,
+  so falling back to the eager fused step never sees a half-applied update.
+* Scalar hyper-parameters passed as ``alpha=`` / ``value=`` / ``lerp`` weights are specialized
+  by Dynamo (a recompile for every new learning rate). :class:`ScalarsAsOperands` rewrites
+  those calls into multiplications at trace time, which Dynamo keeps symbolic.
+* torch.optim groups run their single-tensor implementation: with one flat tensor per buffer,
+  ``foreach`` buys nothing and its scalar arguments specialize. ``fused=True`` groups keep
+  torch's hand-written kernel (already one kernel per flat tensor) and are not compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+import warnings
+from contextlib import contextmanager
+from itertools import chain
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .errors import CompileFallbackWarning
+
+_T = torch.Tensor
+_ADD_LIKE = {_T.add_: _T.add_, _T.add: torch.add, torch.add: torch.add, _T.sub_: _T.sub_, _T.sub: torch.sub, torch.sub: torch.sub}
+_ADDC = {
+    _T.addcmul_: (_T.add_, torch.mul),
+    _T.addcmul: (torch.add, torch.mul),
+    torch.addcmul: (torch.add, torch.mul),
+    _T.addcdiv_: (_T.add_, torch.div),
+    _T.addcdiv: (torch.add, torch.div),
+    torch.addcdiv: (torch.add, torch.div),
+}
+_LERP = {_T.lerp_: _T.add_, _T.lerp: torch.add, torch.lerp: torch.add}
+
+# Graph count after which the compiled step is abandoned for the eager fused step: the
+# first compile, one recompile when Dynamo makes changing scalars symbolic, and slack for
+# a run structure that changes once (e.g. a parameter that gets its first gradient late).
+MAX_GRAPHS = 4
+# Below this many flat elements, compile time outweighs the gain ("auto" stays eager).
+AUTO_MIN_ELEMENTS = 1 << 20
+
+
+class ScalarsAsOperands(TorchFunctionMode):
+    """Rewrite scalar-keyword arithmetic into tensor-times-scalar so Dynamo keeps scalars dynamic."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _ADD_LIKE and "alpha" in kwargs and len(args) == 2 and isinstance(args[1], _T):
+            alpha = kwargs.pop("alpha")
+            return _ADD_LIKE[func](args[0], args[1] * alpha, **kwargs)
+        if func in _ADDC and "value" in kwargs and len(args) == 3:
+            add, combine = _ADDC[func]
+            value = kwargs.pop("value")
+            return add(args[0], combine(args[1], args[2]) * value, **kwargs)
+        if func in _LERP and len(args) == 3 and not isinstance(args[2], _T) and not kwargs:
+            start, end, weight = args
+            return _LERP[func](start, (end - start) * weight)
+        return func(*args, **kwargs)
+
+
+_COMPILER_WORKS = None
+
+
+def compiler_available() -> bool:
+    """Whether ``torch.compile`` with Inductor works here (a C++ compiler on CPU, Triton on CUDA)."""
+    global _COMPILER_WORKS
+    if _COMPILER_WORKS is None:
+        try:
+            probe = torch.compile(lambda x: x * 2 + 1, fullgraph=True)
+            _COMPILER_WORKS = bool(probe(torch.ones(8))[0] == 3)
+        except Exception:  # any failure means "not here"
+            _COMPILER_WORKS = False
+    return _COMPILER_WORKS
+
+
+@contextmanager
+def _single_tensor_groups(optimizer):
+    """torch.optim groups take their single-tensor code path while the compiled step runs."""
+    changed = []
+    for group in optimizer.param_groups:
+        if group.get("foreach"):
+            changed.append(group)
+            group["foreach"] = False
+    try:
+        yield
+    finally:
+        for group in changed:
+            group["foreach"] = True
+
+
+def unwrapped_step(cls):
+    """``cls.step`` without torch's profiling/hook wrapper and its grad-mode wrapper.
+
+    The grad-mode wrapper graph-breaks on purpose so that Dynamo traces an inference graph;
+    we get the same effect by entering ``no_grad`` before the compiled region, and keep
+    ``fullgraph=True``. Step hooks are run around the compiled call instead.
+    """
+    fn = cls.step
+    if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    code = getattr(fn, "__code__", None)
+    if code is not None and code.co_name == "_use_grad" and code.co_filename.endswith(os.path.join("optim", "optimizer.py")):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _step_with_scalars_as_operands(optimizer, raw_step):
+    with ScalarsAsOperands():
+        raw_step(optimizer)
+
+
+def _forget_float_specializations() -> None:
+    """Dynamo remembers, process-wide and by symbolic name ("zf0", ...), floats it once had to
+    specialize, and applies that to every later frame: one optimizer whose step branches on a
+    float would make every other optimizer recompile on each new learning rate. Forget them
+    before tracing our own frame (private API, so guarded)."""
+    try:
+        from torch._dynamo.symbolic_convert import TensorifyState
+
+        TensorifyState.clear()
+    except (ImportError, AttributeError):
+        pass
+
+
+def _step_hooks(optimizer, pre: bool):
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    if pre:
+        return chain(_global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values())
+    return chain(optimizer._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values())
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line`` of the innermost cause (Dynamo wraps backend errors)."""
+    while getattr(exc, "inner_exception", None) is not None or exc.__cause__ is not None:
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+class CompiledStep:
+    """Runs the optimizer's step compiled; counts graphs and compile time; falls back to eager."""
+
+    _instances = 0
+
+    def __init__(self, max_graphs: int = MAX_GRAPHS):
+        self.max_graphs = max_graphs
+        self.graphs = 0
+        self.compile_seconds = 0.0
+        self.compiled_steps = 0
+        self.disabled_reason = None
+        # Dynamo caches compiled graphs per code object; a private copy per optimizer keeps
+        # one optimizer's graphs (and recompile limit) from crowding out another's.
+        CompiledStep._instances += 1
+        code = _step_with_scalars_as_operands.__code__.replace(co_name=f"fused_step_{CompiledStep._instances}")
+        private = types.FunctionType(code, _step_with_scalars_as_operands.__globals__, code.co_name)
+        self._compiled = torch.compile(private, backend=self._backend, fullgraph=True)
+
+    def _backend(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(graph_module, example_inputs)
+
+    @staticmethod
+    def eligible(optimizer) -> bool:
+        if optimizer.defaults.get("differentiable"):
+            return False
+        return not any(group.get("fused") for group in optimizer.param_groups)
+
+    def _disable(self, reason: str) -> None:
+        self.disabled_reason = reason
+        warnings.warn(
+            f"the compiled fused step is off ({reason}); the eager fused step runs instead. "
+            "Pass compile=False to fuse_optimizer to silence this.",
+            CompileFallbackWarning,
+            stacklevel=6,  # _disable <- _run_compiled <- __call__ <- run_step <- fuse_step <- user
+        )
+
+    def __call__(self, optimizer) -> bool:
+        """Run one whole step (hooks included); return True if it ran compiled."""
+        raw_step = unwrapped_step(type(optimizer))
+        for hook in _step_hooks(optimizer, pre=True):
+            hook(optimizer, (), {})
+        compiled = self.disabled_reason is None and self._run_compiled(optimizer, raw_step)
+        if not compiled:
+            with torch.no_grad():
+                raw_step(optimizer)
+        for hook in _step_hooks(optimizer, pre=False):
+            hook(optimizer, (), {})
+        return compiled
+
+    def _run_compiled(self, optimizer, raw_step) -> bool:
+        graphs_before = self.graphs
+        started = time.perf_counter()
+        _forget_float_specializations()
+        try:
+            with _single_tensor_groups(optimizer), torch.no_grad():
+                self._compiled(optimizer, raw_step)
+        except Exception as exc:  # fullgraph: a failure happens before any tensor is updated
+            self._disable(_describe(exc))
+            return False
+        if self.graphs > graphs_before:
+            self.compile_seconds += time.perf_counter() - started
+            if self.graphs > self.max_graphs:
+                self._disable(
+                    f"it recompiled {self.graphs} times; some hyper-parameter or state value is "
+                    "specialized by the compiler"
+                )
+        self.compiled_steps += 1
+        return True
