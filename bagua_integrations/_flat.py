@@ -27,16 +27,17 @@ def _aligned(offset: int, element_size: int) -> int:
 class Slot:
     """One parameter's place in a flat buffer."""
 
-    __slots__ = ("param", "start", "end", "grad_view", "token", "state_views", "hook")
+    __slots__ = ("param", "start", "end", "param_ptr", "grad_view", "token", "state_views", "hook")
 
     def __init__(self, param: torch.Tensor, start: int):
         self.param = param
         self.start = start
         self.end = start + param.numel()
+        self.param_ptr = 0  # where param.data must start once it is a view of the flat buffer
         self.grad_view: Optional[torch.Tensor] = None
         # Slots with the same token hold identical scalar state and may share a run.
         self.token: object = None
-        self.state_views: Dict[str, torch.Tensor] = {}
+        self.state_views: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (flat, view)
         self.hook = None
 
 
@@ -60,6 +61,7 @@ class FlatBuffer:
         self.param = self._flatten_params(flatten)
         self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         for slot in slots:
+            slot.param_ptr = self.param.data_ptr() + slot.start * self.element_size
             slot.grad_view = self.grad[slot.start : slot.end].view_as(slot.param)
             existing = slot.param.grad
             if existing is not None and existing.layout == torch.strided:
@@ -104,13 +106,12 @@ class FlatBuffer:
         return flat
 
     # ----------------------------------------------------------------- keeping views in place
-    def _expected_ptr(self, base: torch.Tensor, slot: Slot) -> int:
-        return base.data_ptr() + slot.start * base.element_size()
-
+    # Each check starts with an identity test, so a step whose views are all in place costs
+    # a few Python comparisons per parameter and no tensor work.
     def sync_param(self, slot: Slot) -> None:
         """Put a parameter whose ``.data`` was replaced back into its slot."""
         p = slot.param
-        if p.data_ptr() == self._expected_ptr(self.param, slot):
+        if p.data_ptr() == slot.param_ptr:
             return
         if p.device != self.device or p.dtype != self.dtype or p.numel() != slot.end - slot.start:
             raise LayoutChangedError(
@@ -127,32 +128,37 @@ class FlatBuffer:
     def sync_grad(self, slot: Slot) -> bool:
         """Make ``param.grad`` the slot's view; return False if there is no dense gradient."""
         g = slot.param.grad
+        view = slot.grad_view
+        if g is view:
+            return True
         if g is None or g.layout != torch.strided:
             return False
-        view = slot.grad_view
         if g.dtype != view.dtype or g.device != view.device or g.shape != view.shape:
             return False  # the parameter itself moved; sync_param raises LayoutChangedError
         if g.data_ptr() != view.data_ptr():
             with torch.no_grad():
                 view.copy_(g)
-            slot.param.grad = view
+        slot.param.grad = view
         return True
 
     def state_view(self, key: str, slot: Slot) -> torch.Tensor:
-        view = slot.state_views.get(key)
+        """The slot's view of flat state ``key`` (cached per flat buffer object)."""
         flat = self.state[key]
-        if view is None or view.data_ptr() != self._expected_ptr(flat, slot) or view.dtype != flat.dtype:
-            view = flat[slot.start : slot.end].view_as(slot.param)
-            slot.state_views[key] = view
-        return view
+        entry = slot.state_views.get(key)
+        if entry is None or entry[0] is not flat:
+            entry = (flat, flat[slot.start : slot.end].view_as(slot.param))
+            slot.state_views[key] = entry
+        return entry[1]
 
     def sync_state(self, key: str, slot: Slot, value: torch.Tensor) -> torch.Tensor:
         """Copy a per-parameter state tensor into the flat state buffer (if not already a view of it)."""
         flat = self.state.get(key)
+        entry = slot.state_views.get(key)
+        if entry is not None and entry[1] is value and entry[0] is flat:
+            return value
         if flat is None or flat.dtype != value.dtype:
             flat = torch.zeros(self.numel, dtype=value.dtype, device=self.device)
             self.state[key] = flat
-            slot.state_views.clear()
         view = self.state_view(key, slot)
         if value.data_ptr() != view.data_ptr():
             with torch.no_grad():

@@ -336,7 +336,8 @@ class FusedLayout:
             for key, value in lead.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     for slot in run.slots:
-                        buffer.sync_state(key, slot, state[slot.param][key])
+                        per_param = state[slot.param]
+                        per_param[key] = buffer.sync_state(key, slot, per_param[key])
                     start, end = buffer.slots[first].start, buffer.slots[last - 1].end
                     run_state[key] = buffer.state_slice(key, start, end)
                 else:
