@@ -10,6 +10,7 @@ exact unfused step.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from collections import defaultdict
@@ -85,6 +86,7 @@ class FusedLayout:
     def __init__(self, optimizer, do_flatten, on_unsupported, assume_elementwise, compile="auto"):
         self.optimizer = optimizer
         self.compile = compile
+        self.replace_step = False  # set by fuse_optimizer: .step() runs the fused update too
         self.do_flatten = do_flatten
         self.on_unsupported = on_unsupported
         self.assume_elementwise = assume_elementwise
@@ -499,8 +501,28 @@ def fuse_optimizer(
     setattr(optimizer, _ATTR, layout)
     optimizer.fuse_step = types.MethodType(_fuse_step, optimizer)
     if replace_step:
-        optimizer.step = types.MethodType(_fuse_step, optimizer)
+        _replace_step(optimizer)
+    layout.replace_step = replace_step
     return optimizer
+
+
+def _replace_step(optimizer) -> None:
+    """Make ``optimizer.step`` the fused step, keeping an LR scheduler's marker if one wrapped it.
+
+    A scheduler built before fusing wrapped ``step`` and later warns that "optimizer.step() has
+    been overridden" unless its marker is still there; the fused step sets ``_opt_called`` itself.
+    """
+    fused_step = types.MethodType(_fuse_step, optimizer)
+    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
+
+        @functools.wraps(_fuse_step)
+        def step(*args, **kwargs):
+            return fused_step(*args, **kwargs)
+
+        step._wrapped_by_lr_sched = True
+        optimizer.step = step
+    else:
+        optimizer.step = fused_step
 
 
 def is_fused_optimizer(optimizer: Any) -> bool:

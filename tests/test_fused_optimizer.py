@@ -458,3 +458,18 @@ def test_moving_params_after_fusing_is_a_named_error():
     model(torch.randn(2, 6, dtype=torch.double)).sum().backward()
     with pytest.raises(LayoutChangedError, match="before calling fuse_optimizer"):
         opt.fuse_step()
+
+
+def test_replace_step_keeps_a_scheduler_built_before_fusing_quiet():
+    model = TinyNet()
+    opt = O.SGD(model.parameters(), lr=0.1)
+    sched = O.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    fuse_optimizer(opt, replace_step=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in batches(3):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+    assert fusion_report(opt).fused_steps == 3 and opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)

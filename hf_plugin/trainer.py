@@ -1,0 +1,143 @@
+"""``transformers.Trainer`` integration: a fused optimizer and Bagua algorithms, Trainer's loop untouched.
+
+* :class:`BaguaTrainer` is ``Trainer`` with two keyword arguments more: the optimizer Trainer builds
+  is fused (``fuse_optimizer=True``), and ``bagua_algorithm="bytegrad"`` (or any registered name)
+  attaches a Bagua algorithm to the DDP model Trainer creates.
+* :class:`BaguaAlgorithmCallback` / :func:`use_bagua_algorithm` attach an algorithm to a plain
+  ``Trainer`` (for instance one built with ``optimizers=(create_fused_optimizer(...), None)``).
+
+Why a callback and not ``DistributedDataParallelKwargs``: Trainer builds its own DDP kwargs
+handler and overwrites Accelerate's, and Accelerate only knows its built-in hooks; so the hook is
+registered on ``trainer.model_wrapped`` at ``on_train_begin``, after Trainer wrapped the model and
+before the first backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ._algorithms import AlgorithmAttachment, attach_algorithm, load_algorithm
+from .errors import UnsupportedSetupError
+from .optimizer import fuse_for_frameworks, is_fused, require_step_fused, unwrap_optimizer
+
+__all__ = ["BaguaTrainer", "BaguaAlgorithmCallback", "use_bagua_algorithm"]
+
+
+class BaguaAlgorithmCallback(TrainerCallback):
+    """Attach a Bagua algorithm to the model a ``Trainer`` trains.
+
+    Gradient algorithms (``gradient_allreduce``, ``bytegrad``) become the DDP communication hook
+    of ``trainer.model_wrapped``; model algorithms (``decentralized``, ``bmuf``) keep gradients
+    local and run their weight communication right after every optimizer update
+    (``on_optimizer_step``, numbered by Trainer's global step so that a resumed run continues the
+    count). In a single process there is nothing to communicate and the callback does nothing
+    (one warning).
+
+    The callback needs the trainer (the unwrapped model handed to callbacks does not lead to its
+    DDP wrapper): pass ``trainer=`` or use :func:`use_bagua_algorithm` / :class:`BaguaTrainer`.
+    """
+
+    def __init__(self, algorithm: Any, trainer: Optional[Trainer] = None, **algorithm_kwargs: Any):
+        # Resolve now: an unknown name or bad keyword fails when the Trainer is built, on every rank,
+        # not in the middle of the first collective.
+        self.algorithm = load_algorithm(algorithm, **algorithm_kwargs)
+        self.trainer = trainer
+        self.attachment: Optional[AlgorithmAttachment] = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer is None:
+            raise UnsupportedSetupError(
+                "BaguaAlgorithmCallback was added without its trainer; use "
+                "hf_plugin.use_bagua_algorithm(trainer, algorithm) or BaguaTrainer(..., bagua_algorithm=...)"
+            )
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            raise UnsupportedSetupError(
+                "Bagua algorithms run as DDP communication hooks; DeepSpeed and FSDP do their own gradient "
+                "communication. Train with plain DDP (torchrun without deepspeed/fsdp)."
+            )
+        wrapped = trainer.model_wrapped
+        if self.attachment is not None and self.attachment.wraps(wrapped):
+            return  # a second train() call on the same DDP model: the hook is already in place
+        self.attachment = attach_algorithm(self.algorithm, wrapped, optimizer=trainer.optimizer)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.attachment is None:
+            return
+        # Called on every rank after every update, also one a GradScaler skipped on this rank only
+        # (model algorithms keep gradients local, so ranks may skip differently): the collectives
+        # must match. Trainer increments global_step after this event, so this is update n+1.
+        self.attachment.after_optimizer_step(step=state.global_step + 1)
+
+
+def use_bagua_algorithm(trainer: Trainer, algorithm: Any, **algorithm_kwargs: Any) -> BaguaAlgorithmCallback:
+    """Attach a Bagua algorithm to an existing ``Trainer`` (one line before ``trainer.train()``)."""
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"use_bagua_algorithm expects a transformers.Trainer, got {type(trainer).__name__}")
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, BaguaAlgorithmCallback):
+            raise UnsupportedSetupError("this Trainer already has a Bagua algorithm; attach one algorithm per Trainer")
+    callback = BaguaAlgorithmCallback(algorithm, trainer=trainer, **algorithm_kwargs)
+    trainer.add_callback(callback)
+    return callback
+
+
+class BaguaTrainer(Trainer):
+    """``transformers.Trainer`` whose optimizer is fused and, optionally, whose DDP runs a Bagua algorithm.
+
+    Args (on top of Trainer's):
+        fuse_optimizer: fuse the optimizer Trainer creates (or the one passed in ``optimizers``)
+            before Accelerate wraps it. Default True.
+        fuse_kwargs: extra arguments of :func:`bagua_integrations.fuse_optimizer`
+            (``on_unsupported``, ``assume_elementwise``, ``do_flatten``).
+        bagua_algorithm: a name from ``bagua_integrations.distributed.list_algorithms()`` or an
+            algorithm object; ``None`` keeps Trainer's plain DDP allreduce.
+        bagua_algorithm_kwargs: keyword arguments of the algorithm (e.g. ``{"global_sync_iter": 4}``
+            for ``bmuf``).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        fuse_optimizer: bool = True,
+        fuse_kwargs: Optional[Dict[str, Any]] = None,
+        bagua_algorithm: Any = None,
+        bagua_algorithm_kwargs: Optional[Dict[str, Any]] = None,
+        **kwargs: Any,
+    ):
+        fuse_kwargs = dict(fuse_kwargs or {})
+        if "replace_step" in fuse_kwargs:
+            raise ValueError("fuse_kwargs cannot set replace_step: Trainer only calls step(), so it is always True")
+        self.bagua_fuse_optimizer = bool(fuse_optimizer)
+        self.bagua_fuse_kwargs = fuse_kwargs
+        # Resolve the algorithm before Trainer's (slow) setup so a typo fails at once.
+        callback = None
+        if bagua_algorithm is not None:
+            callback = BaguaAlgorithmCallback(bagua_algorithm, **dict(bagua_algorithm_kwargs or {}))
+        super().__init__(*args, **kwargs)
+        if self.bagua_fuse_optimizer and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise UnsupportedSetupError(
+                "BaguaTrainer(fuse_optimizer=True) cannot run under DeepSpeed or FSDP: they own the optimizer's "
+                "parameter storage. Pass fuse_optimizer=False or train with DDP."
+            )
+        self.bagua_callback = callback
+        if callback is not None:
+            callback.trainer = self
+            self.add_callback(callback)
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(model)
+        require_step_fused(optimizer, "Trainer")
+        if self.bagua_fuse_optimizer and not is_fused(optimizer):
+            inner = unwrap_optimizer(optimizer)
+            if inner is not optimizer:
+                raise UnsupportedSetupError(
+                    f"the optimizer is already wrapped ({type(optimizer).__name__}) and was not fused; wrappers "
+                    "capture step() when they are built. Pass the bare optimizer, or fuse it first with "
+                    "hf_plugin.create_fused_optimizer."
+                )
+            fuse_for_frameworks(inner, **self.bagua_fuse_kwargs)
+        return self.optimizer
