@@ -11,6 +11,28 @@ from .errors import (
     NotElementwiseError,
 )
 from .fused_optimizer import FusionReport, fuse_optimizer, fusion_report, is_fused_optimizer
+from .distributed import (
+    Algorithm,
+    AlgorithmConfigError,
+    BaguaModule,
+    CommunicationError,
+    DistributedAlgorithm,
+    DistributedError,
+    DistributedModule,
+    GradientAlgorithm,
+    ModelAlgorithm,
+    ModelMismatchError,
+    ModelSwitchWrapper,
+    Reducer,
+    ReducerStateError,
+    UnknownAlgorithmError,
+    allreduce_parameters,
+    bagua_init,
+    broadcast_parameters,
+    get_algorithm,
+    list_algorithms,
+    register_algorithm,
+)
 
 __version__ = "0.1.0"
 
@@ -27,4 +49,24 @@ __all__ = [
     "LayoutChangedError",
     "FusionFallbackWarning",
     "CompileFallbackWarning",
+    "bagua_init",
+    "ModelSwitchWrapper",
+    "BaguaModule",
+    "DistributedModule",
+    "broadcast_parameters",
+    "allreduce_parameters",
+    "Reducer",
+    "Algorithm",
+    "GradientAlgorithm",
+    "ModelAlgorithm",
+    "DistributedAlgorithm",
+    "register_algorithm",
+    "get_algorithm",
+    "list_algorithms",
+    "DistributedError",
+    "UnknownAlgorithmError",
+    "AlgorithmConfigError",
+    "ModelMismatchError",
+    "CommunicationError",
+    "ReducerStateError",
 ]

@@ -58,7 +58,7 @@ def _core():
 
 def _consistency_check():
     try:
-        from bagua_integrations.distributed.sync import check_same_on_all_ranks, describe_model
+        from bagua_integrations.distributed import check_same_on_all_ranks, describe_model
     except ImportError:  # pragma: no cover - older core: no cross-rank check
         return None, None
     return check_same_on_all_ranks, describe_model

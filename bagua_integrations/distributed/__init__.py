@@ -1,0 +1,68 @@
+"""Bagua's distributed API on ``torch.distributed``: the reducer, the algorithms, ``bagua_init``.
+
+Gradient algorithms (``gradient_allreduce``, ``bytegrad``) average gradients in buckets
+during backward; model algorithms (``decentralized``, ``bmuf``) change the weights after the
+optimizer step. Every algorithm also works without ``bagua_init`` for frameworks that own
+their training loop (see ``docs/distributed.md``).
+"""
+
+from .algorithms import (
+    BMUF,
+    Algorithm,
+    ByteGrad,
+    Decentralized,
+    DistributedAlgorithm,
+    GradientAlgorithm,
+    GradientAllReduce,
+    MinMaxUInt8,
+    ModelAlgorithm,
+    get_algorithm,
+    list_algorithms,
+    register_algorithm,
+)
+from .comm import NodeGroups, WireMeter, collective_log
+from .errors import (
+    AlgorithmConfigError,
+    CommunicationError,
+    DistributedError,
+    ModelMismatchError,
+    ReducerStateError,
+    UnknownAlgorithmError,
+)
+from .module import BaguaModule, DistributedModule, ModelSwitchWrapper, StepHooks, bagua_init
+from .reducer import Reducer
+from .sync import allreduce_parameters, broadcast_parameters, check_same_on_all_ranks, describe_model
+
+__all__ = [
+    "bagua_init",
+    "BaguaModule",
+    "DistributedModule",
+    "ModelSwitchWrapper",
+    "broadcast_parameters",
+    "allreduce_parameters",
+    "check_same_on_all_ranks",
+    "describe_model",
+    "Reducer",
+    "Algorithm",
+    "GradientAlgorithm",
+    "ModelAlgorithm",
+    "GradientAllReduce",
+    "ByteGrad",
+    "MinMaxUInt8",
+    "Decentralized",
+    "BMUF",
+    "DistributedAlgorithm",
+    "register_algorithm",
+    "get_algorithm",
+    "list_algorithms",
+    "StepHooks",
+    "NodeGroups",
+    "WireMeter",
+    "collective_log",
+    "DistributedError",
+    "UnknownAlgorithmError",
+    "AlgorithmConfigError",
+    "ModelMismatchError",
+    "CommunicationError",
+    "ReducerStateError",
+]

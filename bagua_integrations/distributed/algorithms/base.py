@@ -1,0 +1,280 @@
+"""The algorithm interface: what an integration calls, and when.
+
+An algorithm keeps model replicas consistent. Its ``kind`` says where it acts:
+
+* ``"gradient"`` algorithms average gradients between backward and the optimizer step.
+  The :class:`~bagua_integrations.distributed.Reducer` feeds them buckets while backward
+  runs; frameworks with their own loop call :meth:`GradientAlgorithm.allreduce_gradients`
+  or register :meth:`GradientAlgorithm.ddp_comm_hook` on a DDP model.
+* ``"model"`` algorithms change the weights right after the optimizer step
+  (:meth:`ModelAlgorithm.after_step`); gradients are never exchanged.
+
+New algorithms (async model averaging, QAdam, ...) subclass one of the two and register
+a name with :func:`~bagua_integrations.distributed.register_algorithm`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..bucketing import flatten_groups
+from ..errors import AlgorithmConfigError
+from ..packing import ParamPack
+
+__all__ = ["Algorithm", "GradientAlgorithm", "ModelAlgorithm"]
+
+
+def _no_stages():
+    return
+    yield  # pragma: no cover - makes this a generator
+
+
+class Algorithm:
+    """Base class: hyper-parameters, the node hierarchy, and the hooks every integration may call."""
+
+    name: str = ""
+    kind: str = ""
+    #: whether ``hierarchical_reduce=None`` means True (as in Bagua: all but gradient_allreduce)
+    hierarchical_default: bool = False
+    #: whether BaguaModule should call :meth:`after_step` after every optimizer step
+    wants_step_hook: bool = False
+
+    def __init__(self, hierarchical: Optional[bool] = None, timeout: comm.Timeout = None):
+        self.hierarchical = self.hierarchical_default if hierarchical is None else bool(hierarchical)
+        self.timeout = comm.as_timedelta(timeout)
+        self.group = None
+
+    # ------------------------------------------------------------------ description
+    def hyperparameters(self) -> Dict[str, Any]:
+        """The settings every rank must agree on (checked at ``bagua_init``)."""
+        return {"hierarchical": self.hierarchical}
+
+    def signature(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in sorted(self.hyperparameters().items()))
+        return f"{self.name}({params})"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.signature()}>"
+
+    # ------------------------------------------------------------------ topology
+    def validate_hierarchy(self) -> None:
+        """Refuse ``hierarchical`` where the algorithm has no hierarchical form (after it was set)."""
+
+    def nodes(self, group=None) -> Optional[comm.NodeGroups]:
+        """The node groups to reduce through, or None for a flat reduction."""
+        if not self.hierarchical or not comm.is_distributed(group):
+            return None
+        nodes = comm.NodeGroups.of(group, timeout=self.timeout)
+        return nodes if nodes.active else None
+
+    # ------------------------------------------------------------------ lifecycle
+    def attach(self, params: Iterable[torch.Tensor], optimizer=None, group=None) -> "Algorithm":
+        """Bind to the parameters (and optimizer) it will act on; called once by ``bagua_init``.
+
+        Creates the node groups now, while every rank is at the same place in its program.
+        """
+        self.validate_hierarchy()
+        self.group = group
+        self.nodes(group)
+        return self
+
+    def after_step(self, params=None, step: Optional[int] = None, *, optimizer=None, group=None) -> bool:
+        """Called after each optimizer step; returns whether it communicated. No-op by default."""
+        return False
+
+    def detach(self) -> None:
+        """Forget the attached parameters (called when switching algorithms)."""
+
+
+class GradientAlgorithm(Algorithm):
+    """Averages gradients across ranks, one flat bucket at a time."""
+
+    kind = "gradient"
+    #: False when the reduction is lossy, so alignment padding must be re-zeroed afterwards
+    exact = True
+    #: True when :meth:`average` launches a single collective (so a DDP hook can stay async)
+    single_collective = True
+
+    def __init__(self, hierarchical: Optional[bool] = None, timeout: comm.Timeout = None, message_size: int = 10_000_000):
+        super().__init__(hierarchical, timeout)
+        if message_size <= 0:
+            raise AlgorithmConfigError(f"message_size must be a positive number of bytes, got {message_size!r}")
+        self.message_size = int(message_size)
+
+    def average(self, flat: torch.Tensor, group) -> comm.Stages:
+        """Average the 1-D ``flat`` in place over ``group`` (more than one rank), as staged collectives."""
+        raise NotImplementedError
+
+    def stages(self, flat: torch.Tensor, group=None) -> comm.Stages:
+        """The whole communication for one bucket: flat, or through the node hierarchy."""
+        if not comm.is_distributed(group) or flat.numel() == 0:
+            return _no_stages()
+        nodes = self.nodes(group)
+        if nodes is not None:
+            return comm.hierarchical(self.average, flat, nodes)
+        return self.average(flat, group)
+
+    # ------------------------------------------------------------------ framework entry points
+    def allreduce_gradients(
+        self, tensors: Sequence[Optional[torch.Tensor]], group=None, timeout: comm.Timeout = None
+    ) -> None:
+        """Average ``tensors`` (gradients or flat gradient buffers) across ``group``, in place.
+
+        Synchronous. Tensors are packed into buckets of ``message_size`` bytes (views when
+        they already share flat memory, e.g. a fused optimizer's gradients; copies otherwise);
+        buckets go out together and are waited on in order. Every rank must pass tensors of
+        the same shapes in the same order; ``None`` entries are skipped, so they must be None
+        on every rank (else use :meth:`allreduce_parameter_gradients`).
+        """
+        if not comm.is_distributed(group):
+            return
+        timeout = self.timeout if timeout is None else timeout
+        grads = [getattr(t, "grad", t) if not isinstance(t, torch.Tensor) else t for t in tensors]
+        grads = [g for g in grads if g is not None and g.numel() > 0]
+        for g in grads:
+            if g.layout != torch.strided:
+                raise AlgorithmConfigError(
+                    f"{self.name} averages dense gradients only, got a {g.layout} gradient of shape "
+                    f"{tuple(g.shape)}; use a dense embedding (sparse=False) or average it yourself"
+                )
+        buckets = flatten_groups(grads, self.message_size)
+        pendings = [
+            comm.Pending(self.stages(bucket.flat, group), f"{self.name} gradient bucket {i + 1}/{len(buckets)}", timeout)
+            for i, bucket in enumerate(buckets)
+        ]
+        for bucket, pending in zip(buckets, pendings):
+            pending.wait()
+            bucket.write_back()
+
+    def allreduce_parameter_gradients(
+        self, params: Iterable[torch.Tensor], group=None, timeout: comm.Timeout = None
+    ) -> None:
+        """Average the gradients of ``params`` in place; a missing gradient counts as zeros.
+
+        Unlike :meth:`allreduce_gradients` this cannot desynchronise ranks when a parameter
+        went unused on some of them: every parameter that requires grad gets a (zero) gradient
+        first, as fairseq's own legacy DDP does. Pass the same parameters on every rank.
+        """
+        if not comm.is_distributed(group):
+            return
+        grads = []
+        for p in params:
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        self.allreduce_gradients(grads, group, timeout)
+
+    def ddp_comm_hook(self, state, bucket):  # no annotations: DDP compares them with real types
+        """A DDP communication hook: ``ddp_model.register_comm_hook(state, algorithm.ddp_comm_hook)``.
+
+        ``state`` is the process group to use (None: the default one, or an object with a
+        ``process_group`` attribute); ``bucket`` is DDP's ``dist.GradBucket``. Returns a
+        ``torch.futures.Future`` of the averaged bucket tensor. Single-collective flat
+        reductions stay asynchronous (overlapping backward); multi-stage ones (bytegrad,
+        hierarchical) run to completion inside the hook, because chaining collectives from
+        future callbacks would issue them in a different order on different ranks.
+        """
+        group = state if state is None or isinstance(state, dist.ProcessGroup) else getattr(state, "process_group", None)
+        flat = bucket.buffer()
+        stages = self.stages(flat, group)
+        what = f"{self.name} DDP bucket {bucket.index()}"
+        if not (self.single_collective and self.nodes(group) is None):
+            comm.run(stages, what, self.timeout)
+            return _completed(flat)
+        work = next(stages, None)
+        if work is None:
+            return _completed(flat)
+
+        def finish(future):
+            future.value()  # re-raises a failed collective
+            for _ in stages:  # only post-processing may follow a single collective
+                raise AlgorithmConfigError(f"{self.name} declares single_collective but launched a second collective")
+            return flat
+
+        return work.get_future().then(finish)
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future:
+    future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+class ModelAlgorithm(Algorithm):
+    """Changes the weights right after the optimizer step (model averaging, block updates)."""
+
+    kind = "model"
+    wants_step_hook = True
+
+    def __init__(self, hierarchical: Optional[bool] = None, timeout: comm.Timeout = None):
+        super().__init__(hierarchical, timeout)
+        self.pack: Optional[ParamPack] = None
+        self.optimizer = None
+        self.num_updates = 0
+
+    def attach(self, params: Iterable[torch.Tensor], optimizer=None, group=None) -> "ModelAlgorithm":
+        params = list(params)
+        super().attach(params, optimizer, group)
+        self.pack = ParamPack(params)
+        self.optimizer = optimizer
+        self.num_updates = 0
+        self.validate(group)
+        self.on_attach()
+        return self
+
+    def validate(self, group) -> None:
+        """Refuse settings that cannot work with this group (e.g. odd world sizes)."""
+
+    def on_attach(self) -> None:
+        """Set up per-run state after :meth:`attach` (subclasses)."""
+
+    def detach(self) -> None:
+        self.pack = None
+        self.optimizer = None
+
+    def after_step(self, params=None, step: Optional[int] = None, *, optimizer=None, group=None) -> bool:
+        """Run after each optimizer step with the model's parameters; returns whether it communicated.
+
+        ``step`` is the number of optimizer updates completed *including* this one (1 after
+        the first step); without it the algorithm counts calls itself. ``params``,
+        ``optimizer`` and ``group`` default to what :meth:`attach` got; passing new
+        parameters re-attaches (allowed for algorithms without per-run state).
+        """
+        if params is not None:
+            params = list(params)
+        if params is not None and (self.pack is None or not self.pack.same_tensors(params)):
+            self.reattach(
+                params,
+                optimizer if optimizer is not None else self.optimizer,
+                group if group is not None else self.group,
+            )
+        elif self.pack is None:
+            raise AlgorithmConfigError(
+                f"{self.name}.after_step got no parameters and none are attached; pass params= or "
+                f"call {self.name}.attach(params, optimizer) once before training"
+            )
+        if optimizer is not None:
+            self.optimizer = optimizer
+        self.num_updates = self.num_updates + 1 if step is None else int(step)
+        return self.update(self.num_updates, group if group is not None else self.group)
+
+    def reattach(self, params, optimizer, group) -> None:
+        self.attach(params, optimizer, group)
+
+    def update(self, step: int, group) -> bool:
+        """Communicate after update number ``step`` (subclasses); return whether it did."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def run(self, stages_per_flat: List[comm.Stages], what: str) -> None:
+        """Launch one staged communication per flat tensor, then wait for them in order."""
+        pendings = [comm.Pending(stages, f"{self.name} {what} {i + 1}/{len(stages_per_flat)}", self.timeout)
+                    for i, stages in enumerate(stages_per_flat)]
+        for pending in pendings:
+            pending.wait()

@@ -1,0 +1,187 @@
+"""``bmuf``: blockwise model-update filtering, step for step the numbers of fairseq's FairseqBMUF.
+
+Ranks train locally (gradients are never exchanged). Every ``global_sync_iter`` updates the
+ranks average how far they moved since the last synchronisation (the "block gradient"),
+filter it with block momentum, and all continue from the same new global model.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import List, Optional
+
+import torch
+
+from .. import comm
+from ..errors import AlgorithmConfigError
+from ..sync import allreduce_optimizer_state
+from .base import ModelAlgorithm
+from .registry import register_algorithm
+
+__all__ = ["BMUF"]
+
+
+@register_algorithm("bmuf")
+class BMUF(ModelAlgorithm):
+    """Blockwise model-update filtering (Chen & Huo, ICASSP 2016), as fairseq runs it.
+
+    After optimizer update number ``n`` (counting from 1):
+
+    * ``n == warmup_iterations``: rank 0's weights are broadcast, the optimizer state is
+      averaged (``average_sync``) or reset to what it was at :meth:`attach`, and the block
+      state restarts from the broadcast weights;
+    * ``n > warmup_iterations`` and ``n % global_sync_iter == 0``: block sync. With
+      ``block_momentum == 0`` the weights are simply averaged. Otherwise, with ``global``
+      the weights of the last sync and ``w`` the local ones::
+
+          block_grad = average over ranks of (global - w)
+          smoothed   = block_momentum * smoothed + block_lr * block_grad
+          w          = global - smoothed            (minus block_momentum * smoothed with use_nbm)
+          global     = w
+
+      and the optimizer state is averaged when ``average_sync`` is set.
+
+    Args mirror fairseq's ``--block-lr --block-momentum --global-sync-iter
+    --warmup-iterations --use-nbm --average-sync``. ``hierarchical`` is accepted for
+    interface symmetry but BMUF always averages over the whole group (False by default).
+
+    :meth:`attach` must run before the first optimizer step (it records the starting
+    weights and optimizer state, as fairseq does when the optimizer is built).
+    """
+
+    name = "bmuf"
+    hierarchical_default = False
+
+    def __init__(
+        self,
+        block_lr: float = 1.0,
+        block_momentum: float = 0.875,
+        global_sync_iter: int = 50,
+        warmup_iterations: int = 500,
+        use_nbm: bool = False,
+        average_sync: bool = False,
+        hierarchical: Optional[bool] = None,
+        timeout=None,
+    ):
+        super().__init__(hierarchical=hierarchical, timeout=timeout)
+        self.validate_hierarchy()
+        if not isinstance(global_sync_iter, int) or global_sync_iter < 1:
+            raise AlgorithmConfigError(f"global_sync_iter must be an integer >= 1, got {global_sync_iter!r}")
+        if not isinstance(warmup_iterations, int) or warmup_iterations < 0:
+            raise AlgorithmConfigError(f"warmup_iterations must be an integer >= 0, got {warmup_iterations!r}")
+        self.block_lr = float(block_lr)
+        self.block_momentum = float(block_momentum)
+        self.global_sync_iter = global_sync_iter
+        self.warmup_iterations = warmup_iterations
+        self.use_nbm = bool(use_nbm)
+        self.average_sync = bool(average_sync)
+        self.global_params: List[torch.Tensor] = []
+        self.smoothed_grads: List[torch.Tensor] = []
+        self.initial_optimizer_state = None
+
+    def hyperparameters(self):
+        return dict(
+            super().hyperparameters(),
+            block_lr=self.block_lr,
+            block_momentum=self.block_momentum,
+            global_sync_iter=self.global_sync_iter,
+            warmup_iterations=self.warmup_iterations,
+            use_nbm=self.use_nbm,
+            average_sync=self.average_sync,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def validate_hierarchy(self) -> None:
+        if self.hierarchical:
+            raise AlgorithmConfigError("bmuf synchronises over the whole group; pass hierarchical_reduce=False (or None)")
+
+    def attach(self, params, optimizer=None, group=None) -> "BMUF":
+        needs_optimizer = self.average_sync or self.warmup_iterations > 0
+        if optimizer is None and needs_optimizer:
+            raise AlgorithmConfigError(
+                "bmuf needs the optimizer (attach(params, optimizer)) because it "
+                + ("averages its state at every sync (average_sync=True)" if self.average_sync
+                   else f"resets its state when warmup ends (warmup_iterations={self.warmup_iterations})")
+            )
+        return super().attach(params, optimizer, group)
+
+    def on_attach(self) -> None:
+        self.initial_optimizer_state = (
+            copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
+        )
+        self._reset_block()
+
+    def reattach(self, params, optimizer, group) -> None:
+        if self.pack is not None:
+            raise AlgorithmConfigError(
+                "bmuf.after_step got different parameters from the ones attached; bmuf keeps the "
+                "weights of the last sync per parameter, so attach(params, optimizer) once and pass the same ones"
+            )
+        raise AlgorithmConfigError(
+            "bmuf.after_step was called before bmuf.attach(params, optimizer): attach before the first "
+            "optimizer step so the block starts from the initial weights"
+        )
+
+    @torch.no_grad()
+    def _reset_block(self) -> None:
+        flats = self.pack.gather()
+        self.global_params = [flat.clone() for flat in flats]
+        self.smoothed_grads = [torch.zeros_like(flat) for flat in flats]
+
+    # ------------------------------------------------------------------ one update
+    def update(self, step: int, group) -> bool:
+        if not comm.is_distributed(group):
+            return False
+        if step == self.warmup_iterations:
+            self._warmup_sync(group)
+            return True
+        if step > self.warmup_iterations and step % self.global_sync_iter == 0:
+            self._block_sync(group)
+            return True
+        return False
+
+    @torch.no_grad()
+    def _warmup_sync(self, group) -> None:
+        flats = self.pack.gather()
+        root = comm.group_ranks(group)[0]
+        self.run([_broadcast(flat, root, group) for flat in flats], "warmup broadcast")
+        self.pack.scatter()
+        if self.average_sync:
+            self._average_optimizer_state(group)
+        else:
+            self.optimizer.load_state_dict(copy.deepcopy(self.initial_optimizer_state))
+        self._reset_block()
+
+    @torch.no_grad()
+    def _block_sync(self, group) -> None:
+        size = float(comm.world_size(group))
+        flats = self.pack.gather()
+        if self.block_momentum == 0:
+            self.run([_average(flat, size, group) for flat in flats], "block sync")
+            self.pack.scatter()
+        else:
+            block_grads = [global_flat - flat for global_flat, flat in zip(self.global_params, flats)]
+            self.run([_average(grad, size, group) for grad in block_grads], "block sync")
+            for index, (flat, global_flat, grad) in enumerate(zip(flats, self.global_params, block_grads)):
+                smoothed = self.block_momentum * self.smoothed_grads[index] + self.block_lr * grad
+                flat.copy_(global_flat - smoothed)
+                if self.use_nbm:
+                    flat.copy_(flat - self.block_momentum * smoothed)
+                self.smoothed_grads[index] = smoothed
+                global_flat.copy_(flat)
+            self.pack.scatter()
+        if self.average_sync:
+            self._average_optimizer_state(group)
+
+    def _average_optimizer_state(self, group) -> None:
+        allreduce_optimizer_state(self.optimizer, group=group, timeout=self.timeout)
+
+
+def _average(flat: torch.Tensor, size: float, group) -> comm.Stages:
+    # fairseq divides before summing; same order, same bits.
+    flat /= size
+    yield comm.all_reduce(flat, group)
+
+
+def _broadcast(flat: torch.Tensor, root: int, group) -> comm.Stages:
+    yield comm.broadcast(flat, root, group)

@@ -1,0 +1,223 @@
+"""The reducer: averages gradients bucket by bucket while backward is still running."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Sequence
+
+import torch
+
+from ..fused_optimizer import is_fused_optimizer
+from . import comm
+from .algorithms.base import GradientAlgorithm
+from .bucketing import Bucket, Entry, build_segments, make_buckets
+from .errors import AlgorithmConfigError, ReducerStateError
+
+__all__ = ["Reducer"]
+
+
+def _queue_end_of_backward(callback) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def _max_flags(flags: torch.Tensor, group) -> comm.Stages:
+    if comm.is_distributed(group):
+        yield comm.all_reduce(flags, group, op=torch.distributed.ReduceOp.MAX)
+
+
+class Reducer:
+    """Hands each bucket of gradients to a gradient algorithm as soon as backward has filled it.
+
+    A hook on every parameter marks its gradient ready; a bucket is launched once all its
+    gradients are ready and every earlier bucket was launched, so all ranks issue the same
+    collectives in the same order. At the end of backward (an autograd callback) the
+    remaining buckets are launched, parameters without a gradient contribute zeros, and
+    everything is waited for before ``backward()`` returns.
+
+    Unused parameters follow ``DistributedDataParallel(find_unused_parameters=True)``: a
+    parameter no rank used keeps ``grad=None``; one used on some ranks gets the average
+    (with zeros from the others) on every rank. That costs one tiny extra allreduce per
+    backward; with ``find_unused_parameters=False`` every parameter gets a gradient.
+
+    Gradients live in flat memory: a fused optimizer's flat gradient buffers when one is
+    given (the buckets are slices of them, nothing is copied), otherwise buffers allocated
+    here with each ``param.grad`` a view (a fresh gradient is copied in once).
+
+    Args:
+        params: the parameters whose gradients to average (those not requiring grad are skipped).
+        algorithm: a gradient algorithm (``kind == "gradient"``).
+        optimizers: optimizers whose fused flat buffers the buckets should reuse.
+        message_size: a bucket is closed once it holds at least this many bytes.
+        delay_reduce: launch nothing during backward; reduce everything at its end.
+        group: the process group (default: the world).
+        timeout: longest wait for one bucket before raising ``CommunicationError``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        algorithm: GradientAlgorithm,
+        *,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        message_size: int = 10_000_000,
+        delay_reduce: bool = False,
+        group=None,
+        find_unused_parameters: bool = True,
+        timeout: comm.Timeout = None,
+    ):
+        if getattr(algorithm, "kind", None) != "gradient":
+            raise AlgorithmConfigError(
+                f"the reducer averages gradients and needs a gradient algorithm, got {algorithm!r}; "
+                "model algorithms run after the optimizer step (bagua_init wires that up)"
+            )
+        if message_size <= 0:
+            raise AlgorithmConfigError(f"message_size must be a positive number of bytes, got {message_size!r}")
+        seen, trainable = set(), []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                trainable.append(p)
+        if not trainable:
+            raise AlgorithmConfigError("the model has no parameter that requires grad; there is nothing to reduce")
+        self.params: List[torch.Tensor] = trainable
+        self.algorithm = algorithm
+        self.group = group
+        self.delay_reduce = delay_reduce
+        self.find_unused_parameters = find_unused_parameters
+        self.timeout = timeout if timeout is not None else algorithm.timeout
+        self.optimizers = list(optimizers)
+        self._fused_ids = {id(o) for o in self.optimizers if is_fused_optimizer(o)}
+        self.segments = build_segments(self.params, self.optimizers)
+        self.buckets: List[Bucket] = make_buckets(self.segments, message_size)
+        self._entries: Dict[int, Entry] = {}
+        for segment in self.segments:
+            for entry in segment.entries:
+                self._entries[id(entry.param)] = entry
+        self._ordered = sorted(self._entries.values(), key=lambda e: e.position)
+        self._flag_device = comm.small_tensor_device(group)
+        self._what = [
+            f"{algorithm.name} gradient bucket {b.index + 1}/{len(self.buckets)} ({b.nbytes} bytes)" for b in self.buckets
+        ]
+        self.enabled = True  # False inside no_sync(): gradients accumulate locally
+        self.expecting_backward = False
+        self.rounds = 0  # completed reductions
+        self.launched_during_backward = 0  # buckets launched from hooks in the last round (overlap)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._reset()
+
+    # ------------------------------------------------------------------ description
+    @property
+    def zero_copy(self) -> bool:
+        """True when every bucket is a slice of a fused optimizer's flat gradient buffer."""
+        return all(segment.shared for segment in self.segments)
+
+    def describe(self) -> str:
+        buckets = " ".join(bucket.describe() for bucket in self.buckets)
+        return f"reducer find_unused={self.find_unused_parameters} buckets=[{buckets}]"
+
+    # ------------------------------------------------------------------ one backward
+    def _reset(self) -> None:
+        self._in_backward = False
+        self._marked = set()
+        self._remaining = [len(bucket.entries) for bucket in self.buckets]
+        self._next = 0
+        self._pendings: List[comm.Pending] = []
+        self.expecting_backward = False
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        entry = self._entries[id(param)]
+        entry.adopt_grad()
+        if not self.enabled:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            self.launched_during_backward = 0
+            _queue_end_of_backward(self._end_of_backward)
+        if id(param) in self._marked:
+            raise ReducerStateError(
+                f"a parameter of shape {tuple(param.shape)} got its gradient twice in one backward; "
+                "with reentrant activation checkpointing use use_reentrant=False"
+            )
+        self._marked.add(id(param))
+        index = entry.bucket.index
+        self._remaining[index] -= 1
+        if self._remaining[index] == 0 and not self.delay_reduce:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._remaining[self._next] == 0:
+            self._launch(self._next)
+            self.launched_during_backward += 1
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        stages = self.algorithm.stages(bucket.flat, self.group)
+        self._pendings.append(comm.Pending(stages, self._what[index], self.timeout))
+        self._next = index + 1
+
+    def _end_of_backward(self) -> None:
+        try:
+            self._finish()
+        finally:
+            self._reset()
+
+    def _finish(self) -> None:
+        pending_entries = [
+            entry
+            for bucket in self.buckets[self._next :]
+            for entry in bucket.entries
+            if id(entry.param) not in self._marked
+        ]
+        for entry in pending_entries:
+            if not entry.adopt_grad():
+                entry.zero_unused()
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        flags = None
+        if self.find_unused_parameters:
+            flags = torch.tensor(
+                [e.param.grad is not None for e in self._ordered], dtype=torch.int32, device=self._flag_device
+            )
+            flag_pending = comm.Pending(_max_flags(flags, self.group), "unused-parameter flags", self.timeout)
+        for pending in self._pendings:
+            pending.wait()
+        if flags is not None:
+            flag_pending.wait()
+            used = flags.tolist()
+        for entry in pending_entries:
+            if entry.param.grad is None and (flags is None or used[entry.position]):
+                entry.param.grad = entry.view  # used on another rank: it gets the average too
+        if not self.algorithm.exact:
+            for bucket in self.buckets:
+                bucket.zero_gaps()
+        self.rounds += 1
+
+    # ------------------------------------------------------------------ around the optimizer step
+    def check_not_interrupted(self) -> None:
+        """Refuse to go on after a backward that died between its first hook and its end."""
+        if self._in_backward:
+            raise ReducerStateError(
+                "an earlier backward was interrupted before its gradients were averaged; the ranks' "
+                "gradients now differ. Restart from a checkpoint."
+            )
+
+    def before_step(self) -> None:
+        """Keep ranks in lockstep if this rank ran a forward but no backward reached a parameter."""
+        for optimizer in self.optimizers:
+            if is_fused_optimizer(optimizer) and id(optimizer) not in self._fused_ids:
+                raise ReducerStateError(
+                    "the optimizer was fused after bagua_init, so the reducer's buckets are not its flat "
+                    "buffers; call fuse_optimizer(optimizer) first, then bagua_init(model, optimizer)"
+                )
+        self.check_not_interrupted()
+        if self.enabled and self.expecting_backward:
+            try:
+                self._finish()
+            finally:
+                self._reset()
+
+    def detach(self) -> None:
+        """Remove the hooks; gradients stay where they are."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._reset()

@@ -1,0 +1,158 @@
+"""Making ranks agree: same model everywhere, same starting weights, same weights after a switch."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from typing import List, Optional
+
+import torch
+
+from . import comm
+from .errors import ModelMismatchError
+from .packing import ParamPack
+
+__all__ = [
+    "broadcast_parameters",
+    "allreduce_parameters",
+    "allreduce_optimizer_state",
+    "check_same_on_all_ranks",
+    "describe_model",
+]
+
+
+def _broadcast(flat: torch.Tensor, src: int, group) -> comm.Stages:
+    yield comm.broadcast(flat, src, group)
+
+
+def _average(flat: torch.Tensor, group) -> comm.Stages:
+    flat.div_(comm.world_size(group))
+    yield comm.all_reduce(flat, group)
+
+
+def _run_all(stages: List[comm.Stages], what: str, timeout) -> None:
+    pendings = [comm.Pending(s, f"{what} {i + 1}/{len(stages)}", timeout) for i, s in enumerate(stages)]
+    for pending in pendings:
+        pending.wait()
+
+
+def _broadcast_tensors(tensors, src: int, group, what: str, timeout) -> None:
+    pack = ParamPack(tensors)
+    if not pack.tensors:
+        return
+    flats = pack.gather()
+    _run_all([_broadcast(flat, src, group) for flat in flats], what, timeout)
+    pack.scatter()
+
+
+def broadcast_parameters(
+    module: torch.nn.Module, broadcast_buffers: bool = True, *, src: int = 0, group=None, timeout=None
+) -> None:
+    """Copy rank ``src``'s parameters (and buffers) to every rank, a few flat tensors at a time.
+
+    Run at ``bagua_init`` so that all replicas start identical. No-op without a process group.
+    """
+    if not comm.is_distributed(group):
+        return
+    tensors = [p.detach() for p in module.parameters()]
+    if broadcast_buffers:
+        tensors += [b for b in module.buffers()]
+    _broadcast_tensors(tensors, src, group, "parameter broadcast", timeout)
+
+
+def broadcast_buffers(module: torch.nn.Module, *, src: int = 0, group=None, timeout=None) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm statistics, ...) to every rank."""
+    if comm.is_distributed(group):
+        _broadcast_tensors(list(module.buffers()), src, group, "buffer broadcast", timeout)
+
+
+def allreduce_parameters(module: torch.nn.Module, *, group=None, timeout=None) -> None:
+    """Average parameters and floating-point buffers over ranks (integer buffers come from rank 0).
+
+    Used when switching algorithms, so that ranks whose weights drifted apart (decentralized,
+    bmuf) restart from one consistent model.
+    """
+    if not comm.is_distributed(group):
+        return
+    floating = [p.detach() for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
+    pack = ParamPack(floating)
+    if pack.tensors:
+        flats = pack.gather()
+        _run_all([_average(flat, group) for flat in flats], "parameter averaging", timeout)
+        pack.scatter()
+    integers = [b for b in module.buffers() if not b.is_floating_point()]
+    if integers:
+        _broadcast_tensors(integers, comm.group_ranks(group)[0], group, "integer buffer broadcast", timeout)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """Every parameter-shaped floating state tensor (Adam's moments, SGD's momentum), not step counts."""
+    return [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.is_floating_point()
+    ]
+
+
+def allreduce_optimizer_state(optimizer: torch.optim.Optimizer, *, group=None, timeout=None) -> None:
+    """Average the optimizer's parameter-shaped state over ranks (each divided first, then summed)."""
+    if not comm.is_distributed(group):
+        return
+    pack = ParamPack(optimizer_state_tensors(optimizer))
+    if pack.tensors:
+        flats = pack.gather()
+        _run_all([_average(flat, group) for flat in flats], "optimizer state averaging", timeout)
+        pack.scatter()
+
+
+def describe_model(module: torch.nn.Module) -> List[str]:
+    """One line per parameter and buffer: what must be identical on every rank."""
+    lines = [
+        f"param {name} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+        for name, p in module.named_parameters()
+    ]
+    lines += [f"buffer {name} {tuple(b.shape)} {b.dtype}" for name, b in module.named_buffers()]
+    return lines
+
+
+def _digest(lines: List[str]) -> int:
+    raw = hashlib.sha256("\n".join(lines).encode()).digest()[:8]
+    return int.from_bytes(raw, "little", signed=True)
+
+
+def check_same_on_all_ranks(lines: List[str], what: str, *, group=None, timeout=None) -> None:
+    """Raise :class:`ModelMismatchError` on every rank unless all ranks pass the same ``lines``.
+
+    A fixed-size digest is compared first (so ranks with different models still run the
+    same collective); only on a mismatch are the descriptions gathered to say what differs.
+    """
+    if not comm.is_distributed(group):
+        return
+    size = comm.world_size(group)
+    device = comm.small_tensor_device(group)
+    mine = torch.tensor([_digest(lines)], dtype=torch.int64, device=device)
+    gathered = torch.empty(size, dtype=torch.int64, device=device)
+
+    def stages():
+        yield comm.all_gather(gathered, mine, group)
+
+    comm.run(stages(), f"{what} consistency check", timeout)
+    digests = gathered.tolist()
+    if all(d == digests[0] for d in digests):
+        return
+    everyone: List[Optional[List[str]]] = [None] * size
+    torch.distributed.all_gather_object(everyone, lines, group=group)
+    ranks = comm.group_ranks(group)
+    details = []
+    for index, other in enumerate(everyone):
+        if digests[index] != digests[0]:
+            unified = difflib.unified_diff(everyone[0], other, f"rank {ranks[0]}", f"rank {ranks[index]}", lineterm="", n=0)
+            diff = [line for line in unified if not line.startswith("@@")]
+            details.append("\n".join(diff[:12]) + ("\n..." if len(diff) > 12 else ""))
+    raise ModelMismatchError(
+        f"the {what} differs between ranks (rank {comm.rank()} stops here, and so does every other rank):\n"
+        + "\n".join(details)
+        + "\nBuild the same model, optimizer (fused or not, same parameter groups) and algorithm with the "
+        "same arguments on every rank before calling bagua_init / switch_to."
+    )

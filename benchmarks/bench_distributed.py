@@ -1,0 +1,232 @@
+"""2-rank gloo benchmark of the distributed core on CPU.
+
+Measures, on one MLP and one bucket size:
+  * step time of bagua's ``gradient_allreduce`` (own flat buffers, and with a fused optimizer)
+    against ``torch.nn.parallel.DistributedDataParallel`` with the same bucket size;
+  * the same comparison over a sweep of bucket sizes;
+  * bytes each rank writes to its sockets per step, for every algorithm (Linux /proc/self/io).
+
+Variants run interleaved in rounds inside the same two processes so that background load
+hits them alike; the reported time is the median step time of rank 0.
+
+    python benchmarks/bench_distributed.py                 # defaults: ~1-2 minutes on 2 cores
+    python benchmarks/bench_distributed.py --json out.json --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+# Benchmark this checkout, whatever an editable install elsewhere points at.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bagua_integrations import fuse_optimizer  # noqa: E402
+from bagua_integrations.distributed import WireMeter, bagua_init  # noqa: E402
+
+MB = 1 << 20
+
+
+def build_model(width: int, depth: int, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+class Variant:
+    """One way of training the model: a wrapped model, its optimizer and its step function."""
+
+    def __init__(self, name, args, algorithm=None, ddp=False, fused=False, message_size=None, **kwargs):
+        self.name = name
+        self.model = build_model(args.width, args.depth)
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        message_size = message_size or args.message_size
+        if fused:
+            fuse_optimizer(optimizer)
+        if ddp:
+            self.wrapped = DDP(self.model, bucket_cap_mb=message_size / MB, **kwargs)
+        else:
+            self.wrapped, optimizer = bagua_init(self.model, optimizer, algorithm, message_size=message_size, **kwargs)
+        self.optimizer = optimizer
+        self.step_fn = optimizer.fuse_step if fused else optimizer.step
+        self.times = []
+
+    def step(self, x, y) -> float:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(self.wrapped(x), y).backward()
+        self.step_fn()
+        return time.perf_counter() - start
+
+
+def _median_ms(times) -> float:
+    return 1000 * statistics.median(times)
+
+
+def _interleaved(variants, args, rank):
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    for variant in variants:  # warm-up: first steps allocate buffers and open connections
+        for _ in range(2):
+            variant.step(x, y)
+    per_round = {v.name: [] for v in variants}
+    for _ in range(args.rounds):
+        for variant in variants:
+            dist.barrier()
+            times = [variant.step(x, y) for _ in range(args.steps)]
+            variant.times += times
+            per_round[variant.name].append(statistics.median(times))
+    # Background load drifts; comparing variants within each round cancels most of it.
+    base = per_round[variants[0].name]
+    ratios = {
+        name: _quartiles([t / b for t, b in zip(rounds, base)]) for name, rounds in per_round.items()
+    }
+    return {v.name: _median_ms(v.times) for v in variants} | {"ratios": ratios}
+
+
+def _quartiles(values):
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return [q[0], statistics.median(values), q[2]]
+
+
+def _bucket_count(variant) -> int:
+    if isinstance(variant.wrapped, DDP):
+        return int(variant.wrapped._get_ddp_logging_data().get("num_buckets_reduced", -1))
+    return len(variant.wrapped.reducer.buckets)
+
+
+def _bytes_per_step(variant, args, rank, steps: int) -> float:
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    variant.step(x, y)
+    dist.barrier()
+    with WireMeter() as meter:
+        for _ in range(steps):
+            variant.step(x, y)
+    return None if meter.bytes is None else meter.bytes / steps
+
+
+def worker(rank, world, port, args, out_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    results = {}
+    head = [
+        Variant("ddp", args, ddp=True),
+        Variant("gradient_allreduce", args, "gradient_allreduce"),
+        Variant("gradient_allreduce+fused", args, "gradient_allreduce", fused=True),
+        Variant("gradient_allreduce (find_unused_parameters=False)", args, "gradient_allreduce", find_unused_parameters=False),
+        Variant("gradient_allreduce (delay_reduce)", args, "gradient_allreduce", delay_reduce=True),
+        Variant("ddp (gradient_as_bucket_view)", args, ddp=True, gradient_as_bucket_view=True),
+    ]
+    results["head_to_head"] = _interleaved(head, args, rank)
+    del head
+
+    sweep = {}
+    for size in args.sweep:
+        pair = [Variant("ddp", args, ddp=True, message_size=size), Variant("gradient_allreduce", args, "gradient_allreduce", message_size=size)]
+        sweep[size] = _interleaved(pair, argparse.Namespace(**{**vars(args), "rounds": max(2, args.rounds // 2)}), rank)
+        sweep[size]["buckets"] = [_bucket_count(v) for v in pair]
+    results["sweep"] = sweep
+
+    traffic = {}
+    algorithms = [
+        ("ddp", dict(ddp=True)),
+        ("gradient_allreduce", dict(algorithm="gradient_allreduce")),
+        ("bytegrad", dict(algorithm="bytegrad")),
+        ("decentralized all", dict(algorithm="decentralized", peer_selection_mode="all")),
+        ("decentralized shift_one", dict(algorithm="decentralized", peer_selection_mode="shift_one")),
+        ("bmuf (global_sync_iter=1)", dict(algorithm="bmuf", warmup_iterations=0, global_sync_iter=1)),
+        ("bmuf (global_sync_iter=10)", dict(algorithm="bmuf", warmup_iterations=0, global_sync_iter=10)),
+    ]
+    for name, kwargs in algorithms:
+        variant = Variant(name, args, **kwargs)
+        traffic[name] = _bytes_per_step(variant, args, rank, steps=10)
+    results["bytes_per_step"] = traffic
+    results["param_bytes"] = sum(p.numel() * p.element_size() for p in build_model(args.width, args.depth).parameters())
+    if rank == 0:
+        with open(out_path, "w") as handle:
+            json.dump(results, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def report(results, args) -> str:
+    lines = [
+        f"# bench_distributed: 2 ranks, gloo, CPU ({os.cpu_count()} cores, 1 thread per rank), "
+        f"MLP {args.depth}x{args.width} ({results['param_bytes'] / MB:.1f} MB fp32), batch {args.batch}/rank, "
+        f"SGD momentum, bucket {args.message_size / MB:g} MB, median of {args.rounds}x{args.steps} steps",
+        "",
+        "## step time (ms, rank 0)",
+        "vs DDP: median over rounds of (variant / DDP in the same round), [quartiles]",
+        "",
+        "| variant | ms/step | vs DDP |",
+        "|---|---:|---:|",
+    ]
+    head = results["head_to_head"]
+    for name, ms in head.items():
+        if name != "ratios":
+            low, mid, high = head["ratios"][name]
+            lines.append(f"| {name} | {ms:.1f} | {mid:.3f}x [{low:.2f}-{high:.2f}] |")
+    lines += ["", "## bucket-size sweep (ms/step)", "| bucket | buckets (DDP / ours) | DDP | gradient_allreduce | vs DDP |",
+              "|---:|---:|---:|---:|---:|"]
+    for size, pair in results["sweep"].items():
+        ddp_buckets, our_buckets = pair["buckets"]
+        low, mid, high = pair["ratios"]["gradient_allreduce"]
+        lines.append(f"| {int(size) / MB:g} MB | {ddp_buckets} / {our_buckets} | {pair['ddp']:.1f} | "
+                     f"{pair['gradient_allreduce']:.1f} | {mid:.3f}x [{low:.2f}-{high:.2f}] |")
+    lines += ["", "## bytes written to sockets per step (rank 0)", "| algorithm | MB/step | vs gradient_allreduce |", "|---|---:|---:|"]
+    traffic = results["bytes_per_step"]
+    base = traffic.get("gradient_allreduce")
+    for name, value in traffic.items():
+        if value is None:
+            lines.append(f"| {name} | n/a | n/a |")
+        else:
+            lines.append(f"| {name} | {value / MB:.2f} | {value / base:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=2, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--message-size", type=int, default=4 * MB, help="bucket bytes (bagua message_size, DDP bucket_cap_mb)")
+    parser.add_argument("--sweep", type=int, nargs="*", default=[MB // 4, MB, 4 * MB, 16 * MB])
+    parser.add_argument("--json", help="also write the raw numbers here")
+    args = parser.parse_args(argv)
+    out_path = args.json or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_distributed_{os.getpid()}.json")
+    mp.start_processes(worker, args=(2, _free_port(), args, out_path), nprocs=2, start_method="spawn")
+    with open(out_path) as handle:
+        results = json.load(handle)
+    print(report(results, args))
+    if not args.json:
+        os.remove(out_path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

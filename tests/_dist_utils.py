@@ -1,0 +1,148 @@
+"""Run a function on several gloo ranks in fresh processes, with hard timeouts, and collect results.
+
+Workers get ``(rank, world_size, *args)`` after ``init_process_group`` (gloo, CPU, with a
+timeout); whatever they return or raise is written to a file, so a crashed, killed or hung
+rank can never hang the test: the parent kills every process at the deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error_type: Optional[str] = None  # qualified class name of what the worker raised
+    error: Optional[str] = None
+    traceback: Optional[str] = None
+    exitcode: Optional[int] = None
+    hung: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None and not self.hung and self.exitcode == 0
+
+    def describe(self) -> str:
+        if self.hung:
+            return f"rank {self.rank}: still running at the deadline (killed)"
+        if self.error_type:
+            return f"rank {self.rank}: {self.error_type}: {self.error}\n{self.traceback}"
+        return f"rank {self.rank}: exit code {self.exitcode}, no result"
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: Dict[str, str],
+           result_dir: str, pg_timeout: float) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size))))
+    torch.set_num_threads(1)
+    result: Dict[str, Any] = {}
+    try:
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        result["value"] = fn(rank, world_size, *args)
+    except BaseException as error:  # noqa: BLE001 - reported to the parent
+        result["error_type"] = f"{type(error).__module__}.{type(error).__qualname__}"
+        result["error"] = str(error)
+        result["traceback"] = traceback.format_exc()
+    torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    # Skip interpreter teardown: a peer may be gone and gloo's destructors may block.
+    os._exit(0)
+
+
+def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), *, timeout: float = 240.0,
+              pg_timeout: float = 60.0, env: Optional[Dict[str, str]] = None) -> List[RankResult]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; never hangs."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    env = {k: str(v) for k, v in (env or {}).items()}
+    with tempfile.TemporaryDirectory() as result_dir:
+        procs = [
+            ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, env, result_dir, pg_timeout), daemon=True)
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        hung = [proc.is_alive() for proc in procs]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        results = []
+        for rank, proc in enumerate(procs):
+            path = os.path.join(result_dir, f"rank{rank}.pt")
+            result = RankResult(rank, exitcode=proc.exitcode, hung=hung[rank])
+            if os.path.exists(path):
+                saved = torch.load(path, weights_only=False)
+                result.value = saved.get("value")
+                result.error_type = saved.get("error_type")
+                result.error = saved.get("error")
+                result.traceback = saved.get("traceback")
+            elif not hung[rank] and result.exitcode == 0:
+                result.error_type, result.error = "missing", "the worker exited without writing a result"
+            results.append(result)
+    return results
+
+
+def values(results: List[RankResult]) -> List[Any]:
+    """Every rank's return value, or an AssertionError with every rank's failure."""
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise AssertionError("ranks failed:\n" + "\n".join(r.describe() for r in failed))
+    return [r.value for r in results]
+
+
+# ---------------------------------------------------------------------- scenario batches
+def run_scenarios(rank: int, world_size: int, scenarios: Dict[str, Callable], names: List[str]) -> Dict[str, Any]:
+    """Run several named scenarios in one process group; one failing does not hide the others.
+
+    Returns ``name -> ("ok", value)`` or ``("error", traceback)``. A barrier between
+    scenarios keeps ranks aligned after a failure that happened before any collective.
+    """
+    out: Dict[str, Any] = {}
+    for name in names:
+        try:
+            out[name] = ("ok", scenarios[name](rank, world_size))
+        except BaseException:  # noqa: BLE001
+            out[name] = ("error", traceback.format_exc())
+        try:
+            torch.distributed.barrier()
+        except BaseException:  # noqa: BLE001
+            break
+    return out
+
+
+def scenario_value(results: List[RankResult], name: str) -> List[Any]:
+    """Per-rank values of one scenario from :func:`run_scenarios`; AssertionError if any rank failed."""
+    per_rank = values(results)
+    errors = [f"rank {rank}:\n{outcome[1]}" for rank, res in enumerate(per_rank)
+              for outcome in [res.get(name, ("error", "scenario did not run (an earlier one broke the group)"))]
+              if outcome[0] != "ok"]
+    if errors:
+        raise AssertionError(f"scenario {name!r} failed:\n" + "\n".join(errors))
+    return [res[name][1] for res in per_rank]
