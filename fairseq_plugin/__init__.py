@@ -1,1 +1,25 @@
-"""fairseq integration: `--optimizer bagua_fused` (filled in by the fairseq plugin issue)."""
+"""fairseq integration of bagua-integrations: ``--optimizer bagua_fused``.
+
+fairseq loads this package with its plugin flag::
+
+    fairseq-train ... --user-dir $(python -m fairseq_plugin) --optimizer bagua_fused \\
+        --bagua-base-optimizer adam --adam-betas '(0.9, 0.98)'
+
+Importing it registers the ``bagua_fused`` optimizer in fairseq's optimizer registry
+(see :mod:`fairseq_plugin.optimizer`). ``USER_DIR`` is the path to give ``--user-dir``.
+"""
+
+import os
+
+USER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+try:
+    import fairseq  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "fairseq_plugin needs fairseq; install it with `pip install bagua-integrations[fairseq]`"
+    ) from exc
+
+from .optimizer import BaguaFusedConfig, BaguaFusedOptimizer  # noqa: E402  (registers "bagua_fused")
+
+__all__ = ["USER_DIR", "BaguaFusedConfig", "BaguaFusedOptimizer"]

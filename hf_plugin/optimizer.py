@@ -207,6 +207,7 @@ def create_fused_optimizer(
     *,
     on_unsupported: str = "raise",
     assume_elementwise: bool = False,
+    compile: Any = "auto",
     place_model: bool = True,
     **optimizer_kwargs: Any,
 ) -> torch.optim.Optimizer:
@@ -219,7 +220,7 @@ def create_fused_optimizer(
         optimizer_cls: any ``torch.optim.Optimizer`` subclass. ``None`` takes the class and keyword
             arguments ``args.optim`` selects (``adamw_torch_fused`` / ``adamw_torch``: ``torch.optim.AdamW``).
             An explicit class gets ``lr`` and, when its constructor takes them, ``betas`` and ``eps``.
-        on_unsupported, assume_elementwise: passed to :func:`bagua_integrations.fuse_optimizer`.
+        on_unsupported, assume_elementwise, compile: passed to :func:`bagua_integrations.fuse_optimizer`.
         place_model: move the model to ``args.device`` first, as Trainer would (fusing must happen on
             the final device).
         **optimizer_kwargs: override or add constructor arguments (e.g. ``foreach=False``).
@@ -234,7 +235,9 @@ def create_fused_optimizer(
         _place_model(model, args)
     cls, kwargs = _resolve_cls_and_kwargs(args, model, optimizer_cls, optimizer_kwargs)
     optimizer = cls(trainer_param_groups(model, args.weight_decay), **kwargs)
-    return fuse_for_frameworks(optimizer, on_unsupported=on_unsupported, assume_elementwise=assume_elementwise)
+    return fuse_for_frameworks(
+        optimizer, on_unsupported=on_unsupported, assume_elementwise=assume_elementwise, compile=compile
+    )
 
 
 class FusedOptimizer(torch.optim.Optimizer):

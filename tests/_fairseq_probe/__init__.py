@@ -1,0 +1,44 @@
+"""Test-only fairseq user dir: ``bagua_fused`` plus a per-rank record of the weights.
+
+``--user-dir tests/_fairseq_probe`` registers the plugin (by importing ``fairseq_plugin``) and
+wraps ``Trainer.train_step`` so that every rank appends, after each update, a digest of its
+model weights to ``$BAGUA_FAIRSEQ_PROBE_DIR/rank<R>.jsonl``. The multi-process tests compare
+the ranks' digests: equal where the algorithm synchronises, different where it trains locally.
+"""
+
+import hashlib
+import json
+import os
+
+import torch
+from fairseq.trainer import Trainer
+
+import fairseq_plugin  # noqa: F401  (registers --optimizer bagua_fused)
+
+_original_train_step = Trainer.train_step
+
+
+def _digest(model):
+    sha = hashlib.sha1()
+    total = 0.0
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            data = p.detach().float().contiguous().cpu()
+            sha.update(name.encode())
+            sha.update(data.numpy().tobytes())
+            total += float(data.double().sum())
+    return sha.hexdigest(), total
+
+
+def _train_step(self, samples, raise_oom=False):
+    out = _original_train_step(self, samples, raise_oom)
+    directory = os.environ.get("BAGUA_FAIRSEQ_PROBE_DIR")
+    if directory:
+        sha, total = _digest(self.get_model())
+        record = {"update": self.get_num_updates(), "sha": sha, "sum": total}
+        with open(os.path.join(directory, f"rank{self.data_parallel_rank}.jsonl"), "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+    return out
+
+
+Trainer.train_step = _train_step

@@ -1,0 +1,306 @@
+"""Shared helpers for the fairseq plugin tests: a generated corpus, fairseq-train runs, log parsing.
+
+Every run is a subprocess with a timeout, on CPU, one thread (the machine is shared), with a
+tiny model. The corpus is generated from a seeded RNG and binarized with fairseq-preprocess
+once per test session (:func:`shared_corpus`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN_DIR = REPO / "fairseq_plugin"
+PROBE_DIR = Path(__file__).resolve().parent / "_fairseq_probe"
+
+TIMEOUT = 240  # seconds for one fairseq-train run (they take 5-15 s on two idle cores)
+WORDS = [f"w{i}" for i in range(60)]
+
+# transformer_lm small enough to train 30 updates in a second or two
+LM_ARGS = [
+    "--task", "language_modeling",
+    "--arch", "transformer_lm",
+    "--decoder-layers", "1",
+    "--decoder-embed-dim", "16",
+    "--decoder-ffn-embed-dim", "32",
+    "--decoder-attention-heads", "2",
+    "--tokens-per-sample", "32",
+    "--max-tokens", "256",
+]
+# the BERT recipe's model family: RoBERTa masked LM, tiny
+ROBERTA_ARGS = [
+    "--task", "masked_lm",
+    "--criterion", "masked_lm",
+    "--arch", "roberta",
+    "--encoder-layers", "1",
+    "--encoder-embed-dim", "16",
+    "--encoder-ffn-embed-dim", "32",
+    "--encoder-attention-heads", "2",
+    "--max-positions", "32",
+    "--tokens-per-sample", "32",
+    "--max-tokens", "256",
+]
+COMMON_ARGS = [
+    "--cpu",
+    "--seed", "1",
+    "--log-format", "json",
+    "--log-interval", "1",
+    "--disable-validation",
+    "--num-workers", "0",
+    "--no-epoch-checkpoints",
+]
+
+
+def fairseq_available() -> bool:
+    try:
+        import fairseq  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("fairseq-train") is not None and shutil.which("fairseq-preprocess") is not None
+
+
+requires_fairseq = pytest.mark.skipif(not fairseq_available(), reason="fairseq (fairseq-train) is not installed")
+
+
+def env() -> Dict[str, str]:
+    out = dict(os.environ)
+    out["OMP_NUM_THREADS"] = "1"  # deterministic and polite on a shared machine
+    out["MKL_NUM_THREADS"] = "1"
+    out["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p])
+    out.pop("RANK", None)
+    out.pop("WORLD_SIZE", None)
+    out.pop("LOCAL_RANK", None)
+    return out
+
+
+# ----------------------------------------------------------------------------- corpus
+def write_corpus(directory: Path, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    # a little structure (a word tends to follow its predecessor) so the loss goes down
+    for name, lines in (("train", 400), ("valid", 40)):
+        with open(directory / f"{name}.txt", "w") as handle:
+            for _ in range(lines):
+                word = rng.randrange(len(WORDS))
+                tokens = []
+                for _ in range(rng.randint(5, 20)):
+                    tokens.append(WORDS[word])
+                    word = (word + rng.choice((1, 1, 2, 7))) % len(WORDS)
+                handle.write(" ".join(tokens) + "\n")
+
+
+def make_corpus(directory: Path) -> Path:
+    """Write and binarize the corpus under ``directory``; return the data-bin path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write_corpus(directory)
+    destdir = directory / "data-bin"
+    cmd = [
+        "fairseq-preprocess",
+        "--only-source",
+        "--trainpref", str(directory / "train.txt"),
+        "--validpref", str(directory / "valid.txt"),
+        "--destdir", str(destdir),
+        "--workers", "1",
+    ]
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=TIMEOUT)
+    if result.returncode != 0:
+        raise RuntimeError(f"fairseq-preprocess failed:\n{result.stdout}\n{result.stderr}")
+    return destdir
+
+
+_CORPUS: Dict[str, Path] = {}
+
+
+def shared_corpus(tmp_path_factory) -> Path:
+    """One binarized corpus per test session, whichever module asks first."""
+    if "path" not in _CORPUS:
+        _CORPUS["path"] = make_corpus(tmp_path_factory.mktemp("fairseq_corpus"))
+    return _CORPUS["path"]
+
+
+# ----------------------------------------------------------------------------- runs
+@dataclass
+class Run:
+    cmd: List[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    save_dir: Optional[Path] = None
+    records: List[dict] = field(default_factory=list)
+
+    @property
+    def log(self) -> str:
+        return self.stdout + self.stderr
+
+    def losses(self) -> Dict[int, float]:
+        return {int(r["num_updates"]): float(r["loss"]) for r in self.records}
+
+    def column(self, key: str) -> Dict[int, float]:
+        return {int(r["num_updates"]): float(r[key]) for r in self.records if key in r}
+
+    def check(self) -> "Run":
+        if self.returncode != 0:
+            raise AssertionError(
+                f"fairseq-train exited with {self.returncode}\ncommand: {' '.join(self.cmd)}\n"
+                f"--- stderr (tail) ---\n{self.stderr[-6000:]}"
+            )
+        return self
+
+
+def parse_records(text: str) -> List[dict]:
+    """The per-update ``train_inner`` records of a ``--log-format json --log-interval 1`` log."""
+    out = []
+    for line in text.splitlines():
+        marker = "| train_inner | "
+        if marker in line:
+            out.append(json.loads(line.split(marker, 1)[1]))
+    return out
+
+
+def _command(data, save_dir, args, model, nproc) -> List[str]:
+    if nproc > 1:
+        # `-m fairseq_cli.train`: the fairseq-train on PATH may be a shell shim (pyenv).
+        # On CPU fairseq cannot infer the torchrun setup (it divides by the GPU count), so
+        # the rendezvous is spelled out; --distributed-rank -1 makes torch read RANK from env.
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nproc_per_node", str(nproc),
+            "--master_port", str(_free_port()),
+            "-m", "fairseq_cli.train",
+        ]
+    else:
+        cmd = [shutil.which("fairseq-train")]
+    cmd += [str(data), *model, *COMMON_ARGS]
+    cmd += ["--no-save"] if save_dir is None else ["--save-dir", str(save_dir)]
+    if nproc > 1:
+        cmd += [
+            "--distributed-backend", "gloo",
+            "--distributed-world-size", str(nproc),
+            "--distributed-init-method", "env://",
+            "--distributed-no-spawn",
+            "--distributed-rank", "-1",
+        ]
+    return cmd + [str(a) for a in args]
+
+
+class _Started:
+    def __init__(self, cmd, save_dir, timeout, extra_env):
+        self.cmd, self.save_dir, self.timeout = cmd, save_dir, timeout
+        run_env = env()
+        run_env.update(extra_env or {})
+        # files, not pipes: two runs side by side must never block on a full pipe
+        self.out = tempfile.TemporaryFile(mode="w+")
+        self.err = tempfile.TemporaryFile(mode="w+")
+        # own session: on a timeout the whole torchrun tree is killed, not just the launcher
+        self.proc = subprocess.Popen(
+            cmd, env=run_env, stdout=self.out, stderr=self.err, text=True, start_new_session=True
+        )
+
+    def _read(self):
+        texts = []
+        for handle in (self.out, self.err):
+            handle.seek(0)
+            texts.append(handle.read())
+            handle.close()
+        return texts
+
+    def finish(self) -> Run:
+        try:
+            self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            _, err = self._read()
+            raise AssertionError(
+                f"fairseq-train did not finish in {self.timeout}s: {' '.join(self.cmd)}\n{err[-4000:]}"
+            ) from None
+        out, err = self._read()
+        run = Run(self.cmd, self.proc.returncode, out, err, self.save_dir)
+        run.records = parse_records(run.log)
+        return run
+
+
+def start_train(
+    data: Path,
+    save_dir: Optional[Path],
+    args: Sequence[str],
+    *,
+    model: Sequence[str] = LM_ARGS,
+    nproc: int = 1,
+    timeout: int = TIMEOUT,
+    extra_env: Optional[Dict[str, str]] = None,
+) -> _Started:
+    """Launch fairseq-train (under torchrun when ``nproc > 1``); ``.finish()`` waits and parses."""
+    return _Started(_command(data, save_dir, args, model, nproc), save_dir, timeout, extra_env)
+
+
+def fairseq_train(data: Path, save_dir: Optional[Path], args: Sequence[str], **kwargs) -> Run:
+    """Run fairseq-train to completion and parse its log."""
+    return start_train(data, save_dir, args, **kwargs).finish()
+
+
+def train_pair(data: Path, root: Path, reference_args: Sequence[str], fused_args: Sequence[str], **kwargs):
+    """The reference and the bagua_fused run side by side (two cores); save dirs root/ref, root/fused."""
+    first = start_train(data, root / "ref", reference_args, **kwargs)
+    second = start_train(data, root / "fused", fused_args, **kwargs)
+    return first.finish().check(), second.finish().check()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def plugin_args(base: Optional[str] = "adam", *extra: str) -> List[str]:
+    args = ["--user-dir", str(PLUGIN_DIR), "--optimizer", "bagua_fused"]
+    if base is not None:
+        args += ["--bagua-base-optimizer", base]
+    return args + list(extra)
+
+
+# ----------------------------------------------------------------------------- comparisons
+def load_model(checkpoint: Path) -> Dict[str, "object"]:
+    import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    return {k: v.float().clone() for k, v in state["model"].items()}
+
+
+def max_param_diff(a: Dict[str, "object"], b: Dict[str, "object"]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def assert_same_losses(reference: Run, other: Run, updates: int, tol: float = 0.0) -> None:
+    ref, got = reference.losses(), other.losses()
+    assert sorted(ref) == list(range(1, updates + 1)), f"reference logged updates {sorted(ref)}"
+    assert sorted(got) == sorted(ref), f"logged updates {sorted(got)} != {sorted(ref)}"
+    worst = max(abs(ref[u] - got[u]) for u in ref)
+    assert worst <= tol, f"losses differ by up to {worst}: {ref} vs {got}"
+
+
+def fused_counts(run: Run) -> Dict[str, int]:
+    """Parse the plugin's 'first step updated N parameter(s) through R flat run(s); U unfused' line."""
+    import re
+
+    match = re.search(r"first step updated (\d+) parameter\(s\) through (\d+) flat run\(s\); (\d+) unfused", run.log)
+    assert match, "the bagua_fused first-step line is missing from the log"
+    fused, runs, unfused = map(int, match.groups())
+    return {"fused": fused, "runs": runs, "unfused": unfused}

@@ -1,0 +1,167 @@
+"""``torchrun --nproc_per_node 2 ... -m fairseq_cli.train --cpu --distributed-backend gloo`` with
+``--optimizer bagua_fused --bagua-algorithm ...`` (``--ddp-backend legacy_ddp``).
+
+The test user dir ``tests/_fairseq_probe`` loads the plugin and makes every rank record a
+digest of its weights after each update, so the tests see exactly when ranks agree:
+gradient algorithms keep them identical at every update; model algorithms let them drift
+between synchronisations and make them identical at each one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from _fairseq_utils import (
+    PROBE_DIR,
+    load_model,
+    max_param_diff,
+    requires_fairseq,
+    shared_corpus,
+    start_train,
+)
+
+pytestmark = requires_fairseq
+
+UPDATES = 12
+BASE = ["--lr", "0.003", "--clip-norm", "1.0", "--max-update", str(UPDATES), "--ddp-backend", "legacy_ddp"]
+TIMEOUT = 420
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return shared_corpus(tmp_path_factory)
+
+
+def bagua(*extra: str) -> List[str]:
+    return ["--user-dir", str(PROBE_DIR), "--optimizer", "bagua_fused", "--bagua-base-optimizer", "adam", *extra]
+
+
+def launch(corpus, root: Path, name: str, args: List[str], save: bool = False, save_dir=None, max_update=UPDATES):
+    probe = root / f"{name}-probe"
+    probe.mkdir(parents=True)
+    base = [*BASE]
+    base[base.index("--max-update") + 1] = str(max_update)
+    started = start_train(
+        corpus,
+        save_dir if save_dir is not None else (root / name if save else None),
+        [*base, *args],
+        nproc=2,
+        timeout=TIMEOUT,
+        extra_env={"BAGUA_FAIRSEQ_PROBE_DIR": str(probe)},
+    )
+    return started, probe
+
+
+def finish(started, probe: Path, first: int = 1):
+    run = started.finish().check()
+    ranks = []
+    for rank in (0, 1):
+        path = probe / f"rank{rank}.jsonl"
+        assert path.exists(), f"rank {rank} recorded nothing: was the run really distributed?\n{run.stderr[-3000:]}"
+        with open(path) as handle:
+            ranks.append({r["update"]: r for r in map(json.loads, handle)})
+    assert sorted(ranks[0]) == sorted(ranks[1]) == list(range(first, UPDATES + 1))
+    return run, ranks
+
+
+def in_sync(ranks) -> Dict[int, bool]:
+    return {u: ranks[0][u]["sha"] == ranks[1][u]["sha"] for u in ranks[0]}
+
+
+@pytest.fixture(scope="module")
+def reference_and_allreduce(corpus, tmp_path_factory):
+    """fairseq's own data parallelism (--optimizer adam, legacy_ddp) and bagua gradient_allreduce."""
+    root = tmp_path_factory.mktemp("dist")
+    ref = launch(corpus, root, "ref", ["--user-dir", str(PROBE_DIR), "--optimizer", "adam"], save=True)
+    ours = launch(corpus, root, "allreduce", bagua("--bagua-algorithm", "gradient_allreduce"), save=True)
+    return {"root": root, "ref": finish(*ref), "allreduce": finish(*ours)}
+
+
+def test_gradient_allreduce_matches_fairseq_ddp(reference_and_allreduce):
+    ref_run, ref_ranks = reference_and_allreduce["ref"]
+    run, ranks = reference_and_allreduce["allreduce"]
+    assert "algorithm gradient_allreduce" in run.log
+    assert run.column("bsz")[1] == 16  # the logged batch sums two ranks of 8 sequences
+    assert all(in_sync(ranks).values()), in_sync(ranks)
+    # same weights as fairseq's own data-parallel run, update by update
+    assert [ranks[0][u]["sha"] for u in ranks[0]] == [ref_ranks[0][u]["sha"] for u in ref_ranks[0]]
+    assert run.losses() == ref_run.losses() and len(run.losses()) == UPDATES
+    assert run.column("gnorm") == ref_run.column("gnorm")
+    diff = max_param_diff(
+        load_model(ref_run.save_dir / "checkpoint_last.pt"), load_model(run.save_dir / "checkpoint_last.pt")
+    )
+    assert diff == 0.0
+
+
+@pytest.mark.slow
+def test_fused_without_algorithm_under_fairseq_ddp(corpus, tmp_path, reference_and_allreduce):
+    """No --bagua-algorithm: fairseq's legacy_ddp wrapper communicates, the optimizer is just fused."""
+    run, ranks = finish(*launch(corpus, tmp_path, "plain", bagua()))
+    _, ref_ranks = reference_and_allreduce["ref"]
+    assert [ranks[1][u]["sha"] for u in ranks[1]] == [ref_ranks[1][u]["sha"] for u in ref_ranks[1]]
+    assert run.losses() == reference_and_allreduce["ref"][0].losses()
+
+
+def test_bytegrad_keeps_ranks_identical(corpus, tmp_path, reference_and_allreduce):
+    run, ranks = finish(*launch(corpus, tmp_path, "bytegrad", bagua("--bagua-algorithm", "bytegrad")))
+    assert all(in_sync(ranks).values()), in_sync(ranks)
+    ref = reference_and_allreduce["ref"][0].losses()
+    got = run.losses()
+    # 8-bit gradients: close to the exact average, but not bitwise equal
+    assert max(abs(got[u] - ref[u]) for u in ref) < 0.02, (got, ref)
+    assert [ranks[0][u]["sha"] for u in ranks[0]] != [
+        reference_and_allreduce["ref"][1][0][u]["sha"] for u in ranks[0]
+    ]
+
+
+def test_decentralized_syncs_every_interval(corpus, tmp_path):
+    args = bagua("--bagua-algorithm", "decentralized", "--bagua-communication-interval", "3")
+    run, ranks = finish(*launch(corpus, tmp_path, "decentralized", args))
+    expected = {u: u % 3 == 0 for u in range(1, UPDATES + 1)}
+    assert in_sync(ranks) == expected
+    assert all(loss == loss for loss in run.losses().values())  # finite, logged every update
+
+
+@pytest.mark.slow
+def test_decentralized_shift_one(corpus, tmp_path):
+    args = bagua(
+        "--bagua-algorithm", "decentralized", "--bagua-peer-selection-mode", "shift_one",
+        "--bagua-communication-interval", "2",
+    )
+    _, ranks = finish(*launch(corpus, tmp_path, "shift_one", args))
+    # with two ranks the one partner is the other rank: synchronised every second update
+    assert in_sync(ranks) == {u: u % 2 == 0 for u in range(1, UPDATES + 1)}
+
+
+def test_bmuf_warmup_and_block_syncs(corpus, tmp_path):
+    args = bagua(
+        "--bagua-algorithm", "bmuf", "--bagua-warmup-iterations", "4", "--bagua-global-sync-iter", "5",
+        "--bagua-block-momentum", "0.5",
+    )
+    run, ranks = finish(*launch(corpus, tmp_path, "bmuf", args))
+    # warmup broadcast after update 4, block syncs after 5 and 10
+    assert in_sync(ranks) == {u: u in (4, 5, 10) for u in range(1, UPDATES + 1)}
+    assert "algorithm bmuf" in run.log
+
+
+@pytest.mark.slow
+def test_model_algorithm_resumes_on_schedule(corpus, tmp_path):
+    """The algorithm's update counter is in the checkpoint: after a restart at update 7 the
+    decentralized averaging still happens after updates 9 and 12."""
+    # every rank reads the checkpoint itself: fairseq 0.12 broadcasts it with a torch.load that
+    # torch >= 2.6 refuses by default (weights_only), for any optimizer
+    args = bagua(
+        "--bagua-algorithm", "decentralized", "--bagua-communication-interval", "3",
+        "--load-checkpoint-on-all-dp-ranks",
+    )
+    save = tmp_path / "ckpt"
+    started, _ = launch(corpus, tmp_path, "first", args, save_dir=save, max_update=7)
+    part1 = started.finish().check()
+    assert sorted(part1.losses()) == list(range(1, 8))
+    run, ranks = finish(*launch(corpus, tmp_path, "second", args, save_dir=save), first=8)
+    assert "@ 7 updates" in run.log
+    assert in_sync(ranks) == {u: u % 3 == 0 for u in range(8, UPDATES + 1)}
