@@ -36,6 +36,8 @@ from .errors import (
 __all__ = ["fuse_optimizer", "is_fused_optimizer", "fusion_report", "FusionReport"]
 
 _ATTR = "_bagua_fusion"
+# Longest run (in elements) an eager fused step hands to the optimizer; None: whole buffers.
+EAGER_RUN_ELEMENTS = 1 << 20
 _ON_UNSUPPORTED = ("raise", "fallback")
 _COMPILE = (True, False, "auto")
 
@@ -295,6 +297,10 @@ class FusedLayout:
         if self.dirty:
             self._retoken()
         state = self.optimizer.state
+        # Eager steps stream every op over the whole run; cache-sized runs keep that in cache.
+        # A compiled step reads each element once, so its runs span whole buffers.
+        compiled = self.compiled_step is not None and self.compiled_step.disabled_reason is None
+        run_cap = float("inf") if compiled or EAGER_RUN_ELEMENTS is None else EAGER_RUN_ELEMENTS
         group_params: List[List[torch.Tensor]] = []
         runs: List[_Run] = []
         loose_count = 0
@@ -321,7 +327,9 @@ class FusedLayout:
                             params.append(slot.param)
                             loose_count += 1
                             self.dirty = True
-                    if first is not None and not (ok and slot.token is slots[first].token):
+                    if first is not None and not (
+                        ok and slot.token is slots[first].token and slot.end - slots[first].start <= run_cap
+                    ):
                         runs.append(self._make_run(buffer, first, i, state))
                         params.append(runs[-1].proxy)
                         first = None

@@ -473,3 +473,17 @@ def test_replace_step_keeps_a_scheduler_built_before_fusing_quiet():
             opt.step()
             sched.step()
     assert fusion_report(opt).fused_steps == 3 and opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+def test_eager_runs_are_capped_to_cache_sized_pieces_and_stay_exact(monkeypatch):
+    import bagua_integrations.fused_optimizer as fused_module
+
+    monkeypatch.setattr(fused_module, "EAGER_RUN_ELEMENTS", 40)  # fc1.weight alone is 60 elements
+    a, plain, b, fused = pair(O.Adam, dict(lr=1e-2), dict(lr=3e-3), compile=False)
+    data = batches(8)
+    train(a, plain, data)
+    train(b, fused, data, step=fused.fuse_step)
+    assert_same_params(a, b, rtol=0, atol=0)
+    assert_same_state(plain, fused, rtol=0, atol=0)
+    report = fusion_report(fused)
+    assert report.fused_params == 4 and report.flat_runs == 4  # every trainable tensor its own run
