@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -22,6 +20,7 @@ import torch
 
 from bagua_integrations import fuse_optimizer, fusion_report
 from bagua_integrations.optim import BertAdam
+from recipes.bert_benchmark.results import hardware
 
 BYTES_PER_PARAM_ADAM = 28  # read p, g, m, v (16 B) + write p, m, v (12 B), fp32
 
@@ -98,15 +97,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}, Python {platform.python_version()}"
+def hardware_line() -> str:
+    hw = hardware()
+    return f"{hw['cpu']}, {hw['cpu_cores']} cores, {hw['torch_threads']} torch threads, torch {hw['torch']}, Python {hw['python']}, load average {hw.get('load_average_1m', '?')}"
 
 
 def main(argv=None):
@@ -119,7 +112,7 @@ def main(argv=None):
     shapes = MODELS[args.model]
     numel = sum(torch.Size(s).numel() for s in shapes)
     print(f"# One optimizer step, {args.model} shapes: {len(shapes)} tensors, {numel / 1e6:.1f} M parameters, fp32")
-    print(f"# hardware: {hardware()}")
+    print(f"# hardware: {hardware_line()}")
     built = []
     for name, build in rows(shapes):
         step, opt = build()
