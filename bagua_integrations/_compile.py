@@ -102,17 +102,18 @@ def _single_tensor_groups(optimizer):
 def unwrapped_step(cls):
     """``cls.step`` without torch's profiling/hook wrapper and its grad-mode wrapper.
 
-    The grad-mode wrapper graph-breaks on purpose so that Dynamo traces an inference graph;
-    we get the same effect by entering ``no_grad`` before the compiled region, and keep
-    ``fullgraph=True``. Step hooks are run around the compiled call instead.
+    Returns ``(step, strips_grad_mode)``. The grad-mode wrapper graph-breaks on purpose so that
+    Dynamo traces an inference graph; callers get the same effect by setting the grad mode
+    themselves (``no_grad`` before the compiled region), which keeps ``fullgraph=True``. Step
+    hooks are run by the fused step itself, around the swapped-in flat tensors.
     """
     fn = cls.step
     if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     code = getattr(fn, "__code__", None)
     if code is not None and code.co_name == "_use_grad" and code.co_filename.endswith(os.path.join("optim", "optimizer.py")):
-        fn = fn.__wrapped__
-    return fn
+        return fn.__wrapped__, True
+    return fn, False
 
 
 def _step_with_scalars_as_operands(optimizer, raw_step):
@@ -133,7 +134,8 @@ def _forget_float_specializations() -> None:
         pass
 
 
-def _step_hooks(optimizer, pre: bool):
+def step_hooks(optimizer, pre: bool):
+    """The optimizer's step pre- or post-hooks (global and its own), in torch's calling order."""
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
     if pre:
@@ -188,18 +190,9 @@ class CompiledStep:
             stacklevel=6,  # _disable <- _run_compiled <- __call__ <- run_step <- fuse_step <- user
         )
 
-    def __call__(self, optimizer) -> bool:
-        """Run one whole step (hooks included); return True if it ran compiled."""
-        raw_step = unwrapped_step(type(optimizer))
-        for hook in _step_hooks(optimizer, pre=True):
-            hook(optimizer, (), {})
-        compiled = self.disabled_reason is None and self._run_compiled(optimizer, raw_step)
-        if not compiled:
-            with torch.no_grad():
-                raw_step(optimizer)
-        for hook in _step_hooks(optimizer, pre=False):
-            hook(optimizer, (), {})
-        return compiled
+    def __call__(self, optimizer, raw_step) -> bool:
+        """Run ``raw_step`` compiled; return False (having run nothing) if the eager step must run."""
+        return self.disabled_reason is None and self._run_compiled(optimizer, raw_step)
 
     def _run_compiled(self, optimizer, raw_step) -> bool:
         graphs_before = self.graphs

@@ -10,6 +10,7 @@ exact unfused step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import warnings
@@ -20,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available
+from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available, step_hooks, unwrapped_step
 from ._flat import FlatBuffer, Slot
 from ._probe import probe_elementwise
 from .errors import (
@@ -133,13 +134,18 @@ class FusedLayout:
         return sum(buffer.numel for layout in self.groups.values() for buffer in layout.buffers)
 
     def run_step(self, optimizer, runs) -> None:
-        """The optimizer's own step over the swapped-in flat tensors: compiled when possible."""
+        """The optimizer's own step (without its hooks) over the swapped-in flat tensors."""
+        raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
         # The first step creates state lazily; tracing it would cost a throw-away graph.
-        if self.compiled_step is not None and all(run.state for run in runs):
-            self.last_step_compiled = self.compiled_step(optimizer)
-        else:
-            self.last_step_compiled = False
-            _run_class_step(optimizer)
+        ready = self.compiled_step is not None and all(run.state for run in runs)
+        self.last_step_compiled = ready and self.compiled_step(optimizer, raw_step)
+        if self.last_step_compiled:
+            return
+        differentiable = bool(optimizer.defaults.get("differentiable", False))
+        # torch.set_grad_enabled takes effect when constructed: build it only when it is used.
+        grad_mode = torch.set_grad_enabled(differentiable) if strips_grad_mode else contextlib.nullcontext()
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"), grad_mode:
+            raw_step(optimizer)
 
     # ------------------------------------------------------------------ layout construction
     def _warn_once(self, key: str, message: str, stacklevel: int) -> None:
@@ -423,10 +429,6 @@ def swapped_params_and_state(optimizer, group_params, state):
         optimizer.state = saved_state
 
 
-def _run_class_step(optimizer) -> None:
-    type(optimizer).step(optimizer)
-
-
 def _fuse_step(self, closure=None):
     """Update every flat buffer with one call of the optimizer's own ``step``."""
     layout: FusedLayout = getattr(self, _ATTR)
@@ -442,16 +444,21 @@ def _fuse_step(self, closure=None):
     for p in loose:
         if p in self.state:
             swapped[p] = self.state[p]
+    # Step hooks run outside the swap, so they see the real parameters and per-parameter state.
     layout.in_fused_step = True
     try:
+        for hook in step_hooks(self, pre=True):
+            hook(self, (), {})
         with swapped_params_and_state(self, group_params, swapped):
             layout.run_step(self, runs)
+        for p in loose:
+            if p in swapped:
+                self.state[p] = swapped[p]
+        layout.write_back(runs, swapped)
+        for hook in step_hooks(self, pre=False):
+            hook(self, (), {})
     finally:
         layout.in_fused_step = False
-    for p in loose:
-        if p in swapped:
-            self.state[p] = swapped[p]
-    layout.write_back(runs, swapped)
     layout.fused_steps += 1
     layout.last_step = "fused"
     layout.last_fused_params = sum(run.last - run.first for run in runs)

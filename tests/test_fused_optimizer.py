@@ -488,3 +488,25 @@ def test_eager_runs_are_capped_to_cache_sized_pieces_and_stay_exact(monkeypatch)
     report = fusion_report(fused)
     # fc1.weight (60) and fc1.bias each get a run; fc2.weight (30) + fc2.bias (3) still fit in one
     assert report.fused_params == 4 and report.flat_runs == 3
+
+
+def test_step_hooks_run_once_per_fused_step_and_see_the_real_parameters():
+    model = TinyNet()
+    opt = fuse_optimizer(O.Adam(model.parameters(), lr=1e-2), compile=False)
+    real = [id(p) for p in model.parameters()]
+    seen = []
+
+    def pre(optimizer, args, kwargs):
+        seen.append(("pre", [id(p) for g in optimizer.param_groups for p in g["params"]]))
+
+    def post(optimizer, args, kwargs):
+        state_is_per_param = all(optimizer.state[p]["exp_avg"].shape == p.shape for p in model.parameters() if p.grad is not None)
+        seen.append(("post", [id(p) for g in optimizer.param_groups for p in g["params"]], state_is_per_param))
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
+    train(model, opt, batches(3), step=opt.fuse_step)
+    assert [entry[0] for entry in seen] == ["pre", "post"] * 3
+    assert all(entry[1] == real for entry in seen)
+    assert all(entry[2] for entry in seen if entry[0] == "post")
+    assert fusion_report(opt).flat_runs == 1 and not opt._bagua_fusion.dirty
