@@ -43,14 +43,14 @@ def _probe_clone(optimizer: torch.optim.Optimizer, group: Dict[str, Any], params
 
 
 def _synthetic(device, dtype, generator):
-    params, grads = [], []
-    for step in range(_PROBE_STEPS):
-        grads.append(
-            [
-                torch.randn(shape, generator=generator, dtype=dtype).to(device) * scale
-                for shape, scale in zip(_PROBE_SHAPES, _GRAD_SCALES)
-            ]
-        )
+    """Initial parameters and one gradient list per probe step, on ``device``."""
+    grads = [
+        [
+            torch.randn(shape, generator=generator, dtype=dtype).to(device) * scale
+            for shape, scale in zip(_PROBE_SHAPES, _GRAD_SCALES)
+        ]
+        for _ in range(_PROBE_STEPS)
+    ]
     params = [
         torch.randn(shape, generator=generator, dtype=dtype).to(device) * scale
         for shape, scale in zip(_PROBE_SHAPES, _PARAM_SCALES)
