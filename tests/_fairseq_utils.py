@@ -194,9 +194,16 @@ def _command(data, save_dir, args, model, nproc) -> List[str]:
     return cmd + [str(a) for a in args]
 
 
+# A torchrun rank of a 2-process gloo run once died with this C++ abort early in training, in a
+# clean-clone CI run under load; it did not reproduce in 4 direct reruns. Until it is understood,
+# such a run is relaunched once (only that exact signature; wrong numbers still fail).
+_GLOO_ABORT = "terminate called without an active exception"
+
+
 class _Started:
-    def __init__(self, cmd, save_dir, timeout, extra_env):
+    def __init__(self, cmd, save_dir, timeout, extra_env, retried=False):
         self.cmd, self.save_dir, self.timeout = cmd, save_dir, timeout
+        self.extra_env, self.retried = extra_env, retried
         run_env = env()
         run_env.update(extra_env or {})
         # files, not pipes: two runs side by side must never block on a full pipe
@@ -231,7 +238,16 @@ class _Started:
         out, err = self._read()
         run = Run(self.cmd, self.proc.returncode, out, err, self.save_dir)
         run.records = parse_records(run.log)
+        if run.returncode != 0 and _GLOO_ABORT in err and "--master_port" in self.cmd and not self.retried:
+            return self._relaunch().finish()
         return run
+
+    def _relaunch(self) -> "_Started":
+        cmd = list(self.cmd)
+        cmd[cmd.index("--master_port") + 1] = str(_free_port())
+        if self.save_dir is not None:
+            shutil.rmtree(self.save_dir, ignore_errors=True)  # no half-written checkpoint to resume from
+        return _Started(cmd, self.save_dir, self.timeout, self.extra_env, retried=True)
 
 
 def start_train(
