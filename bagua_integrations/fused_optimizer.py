@@ -66,10 +66,19 @@ class _Run:
     first: int
     last: int
     proxy: torch.nn.Parameter
+    state: Dict[str, Any] = field(default_factory=dict)  # the proxy's state for this step
 
     @property
     def slots(self) -> List[Slot]:
         return self.buffer.slots[self.first : self.last]
+
+    @property
+    def start(self) -> int:
+        return self.buffer.slots[self.first].start
+
+    @property
+    def end(self) -> int:
+        return self.buffer.slots[self.last - 1].end
 
 
 class _GroupLayout:
@@ -291,14 +300,13 @@ class FusedLayout:
         for layout in self.groups.values():
             for slot in layout.slots():
                 signature = self._signature(state.get(slot.param, {}), slot.param)
-                slot.token = object() if signature is None else tokens.setdefault(signature, object())
-                if signature is None:
-                    slot.token = _LOOSE
+                slot.token = _LOOSE if signature is None else tokens.setdefault(signature, object())
         self.dirty = False
 
     # ------------------------------------------------------------------ one fused step
     def plan(self):
-        """Decide which flat runs and loose parameters this step updates."""
+        """Decide this step's work: per group the tensors to hand to the optimizer, the flat runs
+        among them, and the real parameters among them (stepped per tensor)."""
         self.refresh_groups()
         if self.dirty:
             self._retoken()
@@ -309,11 +317,11 @@ class FusedLayout:
         run_cap = float("inf") if compiled or EAGER_RUN_ELEMENTS is None else EAGER_RUN_ELEMENTS
         group_params: List[List[torch.Tensor]] = []
         runs: List[_Run] = []
-        loose_count = 0
+        loose: List[torch.Tensor] = []
         for index, group in enumerate(self.optimizer.param_groups):
             layout = self.groups[index]
             params: List[torch.Tensor] = list(layout.loose)
-            loose_count += sum(1 for p in layout.loose if p.grad is not None)
+            loose.extend(layout.loose)
             for buffer in layout.buffers:
                 first = None
                 slots = buffer.slots
@@ -331,7 +339,7 @@ class FusedLayout:
                                 stacklevel=3,  # plan <- fuse_step <- user
                             )
                             params.append(slot.param)
-                            loose_count += 1
+                            loose.append(slot.param)
                             self.dirty = True
                     if first is not None and not (
                         ok and slot.token is slots[first].token and slot.end - slots[first].start <= run_cap
@@ -342,23 +350,18 @@ class FusedLayout:
                     if ok and first is None:
                         first = i
             group_params.append(params)
-        return group_params, runs, loose_count
+        return group_params, runs, loose
 
     def _make_run(self, buffer: FlatBuffer, first: int, last: int, state) -> _Run:
         run = _Run(buffer, first, last, buffer.proxy(first, last))
-        lead = state.get(buffer.slots[first].param)
-        run_state: Dict[str, Any] = {}
-        if lead:
-            for key, value in lead.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    for slot in run.slots:
-                        per_param = state[slot.param]
-                        per_param[key] = buffer.sync_state(key, slot, per_param[key])
-                    start, end = buffer.slots[first].start, buffer.slots[last - 1].end
-                    run_state[key] = buffer.state_slice(key, start, end)
-                else:
-                    run_state[key] = value
-        run.state = run_state
+        for key, value in state.get(buffer.slots[first].param, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                for slot in run.slots:
+                    per_param = state[slot.param]
+                    per_param[key] = buffer.sync_state(key, slot, per_param[key])
+                run.state[key] = buffer.state_slice(key, run.start, run.end)
+            else:
+                run.state[key] = value
         return run
 
     def write_back(self, runs: List[_Run], swapped_state) -> None:
@@ -367,7 +370,6 @@ class FusedLayout:
         for run in runs:
             buffer = run.buffer
             new_state = swapped_state.get(run.proxy, {})
-            start, end = buffer.slots[run.first].start, buffer.slots[run.last - 1].end
             token = object()
             for key, value in new_state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -378,7 +380,7 @@ class FusedLayout:
                             "its update is not elementwise. Fuse it with on_unsupported='fallback' "
                             "and without assume_elementwise=True."
                         )
-                    buffer.adopt_or_copy_state(key, start, end, value)
+                    buffer.adopt_or_copy_state(key, run.start, run.end, value)
                     for slot in run.slots:
                         view = buffer.state_view(key, slot)
                         per_param = state[slot.param]
@@ -404,7 +406,7 @@ class FusedLayout:
                 slot.token = token
 
     def fused_params_total(self) -> int:
-        return sum(len(layout_buffer.slots) for layout in self.groups.values() for layout_buffer in layout.buffers)
+        return sum(len(buffer.slots) for layout in self.groups.values() for buffer in layout.buffers)
 
     def loose_params_total(self) -> int:
         return sum(len(layout.loose) for layout in self.groups.values())
@@ -436,11 +438,11 @@ def _fuse_step(self, closure=None):
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    group_params, runs, loose_count = layout.plan()
+    group_params, runs, loose = layout.plan()
+    loose_count = sum(1 for p in loose if p.grad is not None)
     swapped = defaultdict(dict)
     for run in runs:
         swapped[run.proxy] = run.state
-    loose = [p for params in group_params for p in params if not any(p is r.proxy for r in runs)]
     for p in loose:
         if p in self.state:
             swapped[p] = self.state[p]
