@@ -19,16 +19,15 @@ Three details make this work for *any* elementwise optimizer:
 
 from __future__ import annotations
 
-import os
 import time
 import types
 import warnings
 from contextlib import contextmanager
-from itertools import chain
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._torch_compat import forget_float_specializations, inductor_backend
 from .errors import CompileFallbackWarning
 
 _T = torch.Tensor
@@ -99,48 +98,9 @@ def _single_tensor_groups(optimizer):
             group["foreach"] = True
 
 
-def unwrapped_step(cls):
-    """``cls.step`` without torch's profiling/hook wrapper and its grad-mode wrapper.
-
-    Returns ``(step, strips_grad_mode)``. The grad-mode wrapper graph-breaks on purpose so that
-    Dynamo traces an inference graph; callers get the same effect by setting the grad mode
-    themselves (``no_grad`` before the compiled region), which keeps ``fullgraph=True``. Step
-    hooks are run by the fused step itself, around the swapped-in flat tensors.
-    """
-    fn = cls.step
-    if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    code = getattr(fn, "__code__", None)
-    if code is not None and code.co_name == "_use_grad" and code.co_filename.endswith(os.path.join("optim", "optimizer.py")):
-        return fn.__wrapped__, True
-    return fn, False
-
-
 def _step_with_scalars_as_operands(optimizer, raw_step):
     with ScalarsAsOperands():
         raw_step(optimizer)
-
-
-def _forget_float_specializations() -> None:
-    """Dynamo remembers, process-wide and by symbolic name ("zf0", ...), floats it once had to
-    specialize, and applies that to every later frame: one optimizer whose step branches on a
-    float would make every other optimizer recompile on each new learning rate. Forget them
-    before tracing our own frame (private API, so guarded)."""
-    try:
-        from torch._dynamo.symbolic_convert import TensorifyState
-
-        TensorifyState.clear()
-    except (ImportError, AttributeError):
-        pass
-
-
-def step_hooks(optimizer, pre: bool):
-    """The optimizer's step pre- or post-hooks (global and its own), in torch's calling order."""
-    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-
-    if pre:
-        return chain(_global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values())
-    return chain(optimizer._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values())
 
 
 def _describe(exc: BaseException) -> str:
@@ -170,10 +130,8 @@ class CompiledStep:
         self._compiled = torch.compile(private, backend=self._backend, fullgraph=True)
 
     def _backend(self, graph_module, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
         self.graphs += 1
-        return compile_fx(graph_module, example_inputs)
+        return inductor_backend()(graph_module, example_inputs)
 
     @staticmethod
     def eligible(optimizer) -> bool:
@@ -197,7 +155,7 @@ class CompiledStep:
     def _run_compiled(self, optimizer, raw_step) -> bool:
         graphs_before = self.graphs
         started = time.perf_counter()
-        _forget_float_specializations()
+        forget_float_specializations()
         try:
             with _single_tensor_groups(optimizer), torch.no_grad():
                 self._compiled(optimizer, raw_step)

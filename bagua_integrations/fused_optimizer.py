@@ -11,7 +11,7 @@ exact unfused step.
 from __future__ import annotations
 
 import contextlib
-import functools
+import enum
 import types
 import warnings
 from collections import defaultdict
@@ -21,9 +21,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available, step_hooks, unwrapped_step
+from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available
 from ._flat import FlatBuffer, Slot
 from ._probe import probe_elementwise
+from ._torch_compat import mark_step_taken, step_keeping_lr_scheduler_marker, unwrapped_step
 from .errors import (
     AlreadyFusedError,
     CompileFallbackWarning,
@@ -34,13 +35,29 @@ from .errors import (
     NotElementwiseError,
 )
 
-__all__ = ["fuse_optimizer", "is_fused_optimizer", "fusion_report", "FusionReport"]
+__all__ = [
+    "fuse_optimizer",
+    "unfuse",
+    "is_fused_optimizer",
+    "fusion_report",
+    "FusionReport",
+    "FlatSegment",
+    "flat_grad_segments",
+]
 
 _ATTR = "_bagua_fusion"
 # Longest run (in elements) an eager fused step hands to the optimizer; None: whole buffers.
 EAGER_RUN_ELEMENTS = 1 << 20
 _ON_UNSUPPORTED = ("raise", "fallback")
 _COMPILE = (True, False, "auto")
+
+
+class LastStep(enum.Enum):
+    """Which kind of step the optimizer took last."""
+
+    NONE = "none"  # no step yet
+    FUSED = "fused"  # fuse_step(), or step() with replace_step=True
+    ORDINARY = "ordinary"  # the class's own per-tensor step
 
 
 @dataclass
@@ -105,9 +122,9 @@ class FusedLayout:
         self.groups: Dict[int, _GroupLayout] = {}
         self.reasons: Dict[str, str] = {}
         self.dirty = True  # scalar-state tokens must be recomputed from values
-        self.in_fused_step = False
+        self.just_fused = False  # set by the fused step, consumed by _after_any_step
         self.fused_steps = 0
-        self.last_step = None  # None before any step, then "fused" or "ordinary"
+        self.last_step = LastStep.NONE
         self.last_fused_params = 0
         self.last_unfused_params = 0
         self.last_runs = 0
@@ -153,7 +170,7 @@ class FusedLayout:
         differentiable = bool(optimizer.defaults.get("differentiable", False))
         # torch.set_grad_enabled takes effect when constructed: build it only when it is used.
         grad_mode = torch.set_grad_enabled(differentiable) if strips_grad_mode else contextlib.nullcontext()
-        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"), grad_mode:
+        with grad_mode:
             raw_step(optimizer)
 
     # ------------------------------------------------------------------ layout construction
@@ -267,10 +284,13 @@ class FusedLayout:
 
     # ------------------------------------------------------------------ hooks on the optimizer
     def _after_any_step(self, optimizer, args, kwargs) -> None:
-        if not self.in_fused_step:
+        if self.just_fused:
+            self.just_fused = False
+            self.last_step = LastStep.FUSED
+        else:
             # An ordinary per-tensor step may advance some parameters' scalar state and not others'.
             self.dirty = True
-            self.last_step = "ordinary"
+            self.last_step = LastStep.ORDINARY
 
     def _after_load(self, optimizer) -> None:
         self.dirty = True
@@ -431,8 +451,13 @@ def swapped_params_and_state(optimizer, group_params, state):
         optimizer.state = saved_state
 
 
-def _fuse_step(self, closure=None):
-    """Update every flat buffer with one call of the optimizer's own ``step``."""
+def _fused_step(self, closure=None):
+    """Update every flat buffer with one call of the optimizer's own ``step``.
+
+    Wrapped by torch's ``Optimizer.profile_hook_step`` (below), so the optimizer's step pre- and
+    post-hooks run exactly as for an ordinary step: once, outside the parameter swap, seeing the
+    real parameters and per-parameter state.
+    """
     layout: FusedLayout = getattr(self, _ATTR)
     loss = None
     if closure is not None:
@@ -446,29 +471,22 @@ def _fuse_step(self, closure=None):
     for p in loose:
         if p in self.state:
             swapped[p] = self.state[p]
-    # Step hooks run outside the swap, so they see the real parameters and per-parameter state.
-    layout.in_fused_step = True
-    try:
-        for hook in step_hooks(self, pre=True):
-            hook(self, (), {})
-        with swapped_params_and_state(self, group_params, swapped):
-            layout.run_step(self, runs)
-        for p in loose:
-            if p in swapped:
-                self.state[p] = swapped[p]
-        layout.write_back(runs, swapped)
-        for hook in step_hooks(self, pre=False):
-            hook(self, (), {})
-    finally:
-        layout.in_fused_step = False
+    with swapped_params_and_state(self, group_params, swapped):
+        layout.run_step(self, runs)
+    for p in loose:
+        if p in swapped:
+            self.state[p] = swapped[p]
+    layout.write_back(runs, swapped)
     layout.fused_steps += 1
-    layout.last_step = "fused"
+    layout.just_fused = True  # read by the layout's own post-hook, which runs next
     layout.last_fused_params = sum(run.last - run.first for run in runs)
     layout.last_unfused_params = loose_count
     layout.last_runs = len(runs)
-    # LR schedulers check this flag to warn about scheduler.step() before optimizer.step().
-    self._opt_called = True
+    mark_step_taken(self)
     return loss
+
+
+_fused_step = torch.optim.Optimizer.profile_hook_step(_fused_step)
 
 
 def fuse_optimizer(
@@ -515,8 +533,9 @@ def fuse_optimizer(
             "when building it (or add_param_group before fusing)"
         )
     layout = FusedLayout(optimizer, do_flatten, on_unsupported, assume_elementwise, compile)
+    layout.step_before_fusing = optimizer.__dict__.get("step")
     setattr(optimizer, _ATTR, layout)
-    optimizer.fuse_step = types.MethodType(_fuse_step, optimizer)
+    optimizer.fuse_step = types.MethodType(_fused_step, optimizer)
     if replace_step:
         _replace_step(optimizer)
     layout.replace_step = replace_step
@@ -524,22 +543,55 @@ def fuse_optimizer(
 
 
 def _replace_step(optimizer) -> None:
-    """Make ``optimizer.step`` the fused step, keeping an LR scheduler's marker if one wrapped it.
+    """Make ``optimizer.step`` the fused step (keeping an LR scheduler's marker if one wrapped it)."""
+    fused_step = types.MethodType(_fused_step, optimizer)
+    optimizer.step = step_keeping_lr_scheduler_marker(optimizer, fused_step)
 
-    A scheduler built before fusing wrapped ``step`` and later warns that "optimizer.step() has
-    been overridden" unless its marker is still there; the fused step sets ``_opt_called`` itself.
+
+@dataclass(frozen=True)
+class FlatSegment:
+    """One flat buffer of a fused optimizer, as the distributed code sees it.
+
+    ``flat`` is a 1-D tensor; ``params[i]``'s view of it starts at element ``starts[i]`` (slots
+    are aligned, so there may be padding between them). Parameters are in buffer order.
     """
-    fused_step = types.MethodType(_fuse_step, optimizer)
-    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
 
-        @functools.wraps(_fuse_step)
-        def step(*args, **kwargs):
-            return fused_step(*args, **kwargs)
+    flat: torch.Tensor
+    params: Tuple[torch.Tensor, ...]
+    starts: Tuple[int, ...]
 
-        step._wrapped_by_lr_sched = True
-        optimizer.step = step
-    else:
-        optimizer.step = fused_step
+
+def flat_grad_segments(optimizer) -> List[FlatSegment]:
+    """The flat gradient buffers of a fused optimizer, in param-group order.
+
+    Every fused parameter's ``.grad`` is a view of its segment's ``flat`` (the optimizer's
+    gradient hook moves a fresh gradient in), so communication can reduce gradients in place,
+    bucket by bucket, without copying. Parameters that are not fused do not appear.
+    """
+    layout = fused_layout(optimizer)
+    layout.refresh_groups()
+    return [
+        FlatSegment(buffer.grad, tuple(s.param for s in buffer.slots), tuple(s.start for s in buffer.slots))
+        for index in sorted(layout.groups)
+        for buffer in layout.groups[index].buffers
+    ]
+
+
+def unfuse(optimizer) -> torch.optim.Optimizer:
+    """Undo :func:`fuse_optimizer`'s hooks: ``optimizer`` steps like an ordinary one again.
+
+    Removes the gradient hooks, the optimizer hooks, ``fuse_step`` and the replaced ``step``.
+    Parameters, gradients and state keep their values (they stay views of the flat memory,
+    which is freed once nothing refers to it). Returns ``optimizer``.
+    """
+    layout = fused_layout(optimizer)
+    layout._remove_hooks()
+    for name in ("fuse_step", "step"):
+        optimizer.__dict__.pop(name, None)
+    if layout.step_before_fusing is not None:
+        optimizer.step = layout.step_before_fusing
+    delattr(optimizer, _ATTR)
+    return optimizer
 
 
 def is_fused_optimizer(optimizer: Any) -> bool:
@@ -558,9 +610,9 @@ def fusion_report(optimizer) -> FusionReport:
     """Describe how much of ``optimizer`` is fused (for the last step, or the plan before one)."""
     layout = fused_layout(optimizer)
     buffers = sum(len(group.buffers) for group in layout.groups.values())
-    if layout.last_step is None:
+    if layout.last_step is LastStep.NONE:
         fused, unfused, runs = layout.fused_params_total(), layout.loose_params_total(), buffers
-    elif layout.last_step == "fused":
+    elif layout.last_step is LastStep.FUSED:
         fused, unfused, runs = layout.last_fused_params, layout.last_unfused_params, layout.last_runs
     else:
         fused, unfused, runs = 0, sum(len(g["params"]) for g in optimizer.param_groups), 0
@@ -570,7 +622,7 @@ def fusion_report(optimizer) -> FusionReport:
         flat_buffers=buffers,
         flat_runs=runs,
         fused_steps=layout.fused_steps,
-        last_step_fused=layout.last_step == "fused",
+        last_step_fused=layout.last_step is LastStep.FUSED,
         compiled=layout.last_step_compiled,
         compile_graphs=layout.compiled_step.graphs if layout.compiled_step else 0,
         compile_seconds=layout.compiled_step.compile_seconds if layout.compiled_step else 0.0,

@@ -8,7 +8,7 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
-from ..fused_optimizer import fused_layout, is_fused_optimizer
+from ..fused_optimizer import is_fused_optimizer
 from . import comm
 from .algorithms import Algorithm, accepted_kwargs, get_algorithm
 from .errors import AlgorithmConfigError, DistributedError
@@ -39,71 +39,25 @@ def _as_list(optimizer: Optimizers) -> List[torch.optim.Optimizer]:
     return optimizers
 
 
-def _in_fused_step(optimizer) -> bool:
-    return is_fused_optimizer(optimizer) and fused_layout(optimizer).in_fused_step
-
-
 class StepHooks:
     """Calls ``before`` / ``after`` once around every optimizer step, plain or fused.
 
-    A fused step runs the optimizer's class ``step`` while its parameter lists are swapped
-    for flat proxies, so the ordinary step hooks fire at the wrong moment. For those the
-    instance's own ``fuse_step`` / ``step`` attributes are wrapped instead, and the ordinary
-    hooks stand aside while a wrapped call (or any fused step) runs.
+    Torch's public step hooks: a fused step (``fuse_step()``, or ``step()`` with
+    ``replace_step=True``) runs them exactly like an ordinary step, whenever it was fused.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, before: Optional[Callable[[], None]] = None,
                  after: Optional[Callable[[], None]] = None):
-        self.optimizer = optimizer
-        self.before = before or (lambda: None)
-        self.after = after or (lambda: None)
-        self._inside_wrapper = False
-        self.handles = [
-            optimizer.register_step_pre_hook(self._pre_hook),
-            optimizer.register_step_post_hook(self._post_hook),
-        ]
-        self.wrapped = {}
-        for name in ("fuse_step", "step"):
-            original = optimizer.__dict__.get(name)
-            if original is not None:
-                wrapper = self._wrap(original)
-                self.wrapped[name] = (original, wrapper)
-                setattr(optimizer, name, wrapper)
-
-    def _wrap(self, original):
-        def step_with_hooks(*args, **kwargs):
-            if self._inside_wrapper:  # a wrapped step calling another wrapped step
-                return original(*args, **kwargs)
-            self.before()
-            self._inside_wrapper = True
-            try:
-                result = original(*args, **kwargs)
-            finally:
-                self._inside_wrapper = False
-            self.after()
-            return result
-
-        return step_with_hooks
-
-    def _hooks_stand_aside(self, optimizer) -> bool:
-        return self._inside_wrapper or _in_fused_step(optimizer)
-
-    def _pre_hook(self, optimizer, args, kwargs) -> None:
-        if not self._hooks_stand_aside(optimizer):
-            self.before()
-
-    def _post_hook(self, optimizer, args, kwargs) -> None:
-        if not self._hooks_stand_aside(optimizer):
-            self.after()
+        self.handles = []
+        if before is not None:
+            self.handles.append(optimizer.register_step_pre_hook(lambda *_: before()))
+        if after is not None:
+            self.handles.append(optimizer.register_step_post_hook(lambda *_: after()))
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        for name, (original, wrapper) in self.wrapped.items():
-            if self.optimizer.__dict__.get(name) is wrapper:
-                setattr(self.optimizer, name, original)
-        self.wrapped = {}
 
 
 class BaguaModule(torch.nn.Module):

@@ -6,6 +6,7 @@ from typing import Dict, Iterable, List, Sequence
 
 import torch
 
+from .._torch_compat import queue_end_of_backward
 from ..fused_optimizer import is_fused_optimizer
 from . import comm
 from .algorithms.base import GradientAlgorithm
@@ -13,10 +14,6 @@ from .bucketing import Bucket, Entry, build_segments, make_buckets
 from .errors import AlgorithmConfigError, ReducerStateError
 
 __all__ = ["Reducer"]
-
-
-def _queue_end_of_backward(callback) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _max_flags(flags: torch.Tensor, group) -> comm.Stages:
@@ -131,7 +128,7 @@ class Reducer:
         if not self._in_backward:
             self._in_backward = True
             self.launched_during_backward = 0
-            _queue_end_of_backward(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
         if id(param) in self._marked:
             raise ReducerStateError(
                 f"a parameter of shape {tuple(param.shape)} got its gradient twice in one backward; "
