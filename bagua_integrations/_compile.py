@@ -145,7 +145,7 @@ class CompiledStep:
             f"the compiled fused step is off ({reason}); the eager fused step runs instead. "
             "Pass compile=False to fuse_optimizer to silence this.",
             CompileFallbackWarning,
-            stacklevel=6,  # _disable <- _run_compiled <- __call__ <- run_step <- fuse_step <- user
+            stacklevel=8,  # _disable <- _run_compiled <- __call__ <- _run_optimizer_step <- Fusion.step <- _fused_step <- hook wrapper <- user
         )
 
     def __call__(self, optimizer, raw_step) -> bool:

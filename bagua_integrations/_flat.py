@@ -1,10 +1,17 @@
-"""Flat buffers: parameters, gradients and elementwise optimizer state as views of contiguous memory.
+"""Flat memory: the one model of "many tensors as views of one contiguous tensor".
 
-One :class:`FlatBuffer` exists per (param group, device, dtype). Each parameter owns a
-*slot* ``[start, end)`` in it; ``param.data``, ``param.grad`` and every parameter-shaped
-state tensor are views of the same slot in their buffers. A *run* is a range of adjacent
-slots that can be updated by a single optimizer call on one flat tensor: all have a
-gradient this step and all share the same scalar state (e.g. Adam's ``step``).
+Used by fusion (the fused optimizer owns its parameters' memory) and by communication
+(gradient buckets and weight packs are ranges of the same memory). Glossary:
+
+* **flat buffer** (:class:`FlatBuffer`) -- one per (param group, device, dtype) of a fused
+  optimizer: a 1-D parameter tensor, a 1-D gradient tensor and one 1-D tensor per
+  parameter-shaped state key (``exp_avg``, ...), all with the same layout.
+* **slot** (:class:`Slot`) -- one parameter's range ``[start, end)`` in a flat buffer;
+  ``param.data``, ``param.grad`` and its state tensors are views of that range. Slots start
+  on 64-byte boundaries (:data:`ALIGN_BYTES`), so there may be a little padding between them.
+* **proxy** -- an ``nn.Parameter`` over the slots ``[first, last)`` of a buffer (param and
+  grad are views of the flat tensors): what the optimizer's own ``step`` is handed instead of
+  the real parameters. The planner (``_planner.py``) decides which ranges (*runs*) to hand over.
 """
 
 from __future__ import annotations
@@ -16,11 +23,16 @@ import torch
 from .errors import LayoutChangedError
 
 # Slots start on 64-byte boundaries so flat runs and their slices stay vector-aligned.
-_ALIGN_BYTES = 64
+ALIGN_BYTES = 64
+
+
+def align_elements(element_size: int) -> int:
+    """Elements per alignment step: slots start on multiples of it, so a shorter gap is padding."""
+    return max(1, ALIGN_BYTES // element_size)
 
 
 def _aligned(offset: int, element_size: int) -> int:
-    per = max(1, _ALIGN_BYTES // element_size)
+    per = align_elements(element_size)
     return (offset + per - 1) // per * per
 
 

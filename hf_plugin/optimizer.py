@@ -20,7 +20,6 @@ import torch
 
 from bagua_integrations import fuse_optimizer, fusion_report as _core_fusion_report, is_fused_optimizer
 from bagua_integrations.errors import NotAnOptimizerError
-from bagua_integrations.fused_optimizer import fused_layout
 
 from .errors import UnsupportedOptimizerError, UnsupportedSetupError
 
@@ -64,7 +63,7 @@ def is_fused(optimizer: Any) -> bool:
 def step_is_fused(optimizer: Any) -> bool:
     """True when a plain ``optimizer.step()`` runs the fused update (fused with ``replace_step=True``)."""
     inner = unwrap_optimizer(optimizer)
-    return is_fused_optimizer(inner) and fused_layout(inner).replace_step
+    return is_fused_optimizer(inner) and _core_fusion_report(inner).step_replaced
 
 
 def fuse_for_frameworks(optimizer: torch.optim.Optimizer, **fuse_kwargs: Any) -> torch.optim.Optimizer:

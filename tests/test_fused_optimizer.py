@@ -509,4 +509,4 @@ def test_step_hooks_run_once_per_fused_step_and_see_the_real_parameters():
     assert [entry[0] for entry in seen] == ["pre", "post"] * 3
     assert all(entry[1] == real for entry in seen)
     assert all(entry[2] for entry in seen if entry[0] == "post")
-    assert fusion_report(opt).flat_runs == 1 and not opt._bagua_fusion.dirty
+    assert fusion_report(opt).flat_runs == 1 and not opt._bagua_fusion.planner.tokens_stale

@@ -1,0 +1,205 @@
+"""Where a fused optimizer's parameters live: its configuration and its flat buffers.
+
+:class:`FusionConfig` is what the user asked ``fuse_optimizer`` for. :class:`FlatLayout`
+decides, per param group, which parameters go into flat buffers (see ``_flat.py``) and which
+keep an ordinary per-tensor update, keeps the gradient hooks that move fresh gradients into
+the flat buffers, and rebuilds a group when its parameter list changes. It knows nothing
+about steps: that is the planner's job (``_planner.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ._flat import FlatBuffer, Slot
+from ._probe import probe_elementwise
+from .errors import FusionFallbackWarning, NotElementwiseError
+
+ON_UNSUPPORTED = ("raise", "fallback")
+COMPILE_MODES = (True, False, "auto")
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """The arguments of ``fuse_optimizer`` (see its docstring), checked once."""
+
+    do_flatten: bool = True
+    replace_step: bool = False
+    on_unsupported: str = "raise"
+    assume_elementwise: bool = False
+    compile: Any = "auto"
+
+    def __post_init__(self):
+        if self.on_unsupported not in ON_UNSUPPORTED:
+            raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be True, False or 'auto', got {self.compile!r}")
+
+
+class GroupLayout:
+    """One param group: its flat buffers, and the parameters always stepped one by one."""
+
+    def __init__(self, params: List[torch.Tensor]):
+        self.param_ids = tuple(id(p) for p in params)
+        self.buffers: List[FlatBuffer] = []
+        self.per_tensor: List[torch.Tensor] = []
+
+    def slots(self):
+        for buffer in self.buffers:
+            yield from buffer.slots
+
+
+class FlatLayout:
+    """The flat buffers of every param group of one optimizer, and their gradient hooks."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: FusionConfig):
+        self.optimizer = optimizer
+        self.config = config
+        self.groups: Dict[int, GroupLayout] = {}
+        self.reasons: Dict[str, str] = {}  # parameter name -> why it is stepped per tensor
+        self._probe_cache: Dict[Tuple[str, torch.device], Optional[str]] = {}
+        self._warned = set()
+        try:
+            for index, group in enumerate(optimizer.param_groups):
+                self._build_group(index, group)
+        except BaseException:
+            self.remove_hooks()
+            raise
+
+    # ------------------------------------------------------------------ sizes
+    def fused_elements(self) -> int:
+        return sum(buffer.numel for layout in self.groups.values() for buffer in layout.buffers)
+
+    def fused_params(self) -> int:
+        return sum(len(buffer.slots) for layout in self.groups.values() for buffer in layout.buffers)
+
+    def per_tensor_params(self) -> int:
+        return sum(len(layout.per_tensor) for layout in self.groups.values())
+
+    def buffers(self) -> List[FlatBuffer]:
+        return [buffer for index in sorted(self.groups) for buffer in self.groups[index].buffers]
+
+    # ------------------------------------------------------------------ building groups
+    def warn_once(self, key: str, message: str, stacklevel: int) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, FusionFallbackWarning, stacklevel=stacklevel + 1)
+
+    @staticmethod
+    def _param_name(group, index, i, p) -> str:
+        names = group.get("param_names")
+        name = names[i] if names and i < len(names) else f"param_groups[{index}]['params'][{i}]"
+        return f"{name} {tuple(p.shape)}"
+
+    def _probe(self, group, device) -> Optional[str]:
+        """Why ``group``'s update is not elementwise on ``device`` (None: it is); cached per settings."""
+        if self.config.assume_elementwise:
+            return None
+        key = (repr(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names"))), device)
+        if key not in self._probe_cache:
+            self._probe_cache[key] = probe_elementwise(self.optimizer, group, device)
+        return self._probe_cache[key]
+
+    def _unfusable_reason(self, p: torch.Tensor, storages) -> Optional[str]:
+        if p.numel() == 0:
+            return "it has no elements"
+        if p.layout != torch.strided:
+            return "it is not a dense tensor"
+        if storages[p.untyped_storage().data_ptr()] > 1 and self.config.do_flatten:
+            return "it shares memory with another parameter (flattening would untie them)"
+        return None
+
+    def _build_group(self, index: int, group: Dict[str, Any]) -> None:
+        params = group["params"]
+        layout = GroupLayout(params)
+        self.groups[index] = layout
+        storages = defaultdict(int)
+        for p in params:
+            storages[p.untyped_storage().data_ptr()] += 1
+        by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        for i, p in enumerate(params):
+            reason = self._unfusable_reason(p, storages)
+            if reason:
+                self.reasons[self._param_name(group, index, i, p)] = reason
+                layout.per_tensor.append(p)
+            else:
+                by_key.setdefault((p.device, p.dtype), []).append(p)
+        for (device, _), members in by_key.items():
+            reason = self._probe(group, device)
+            if reason is None and not self.config.do_flatten and not FlatBuffer.adoptable(members):
+                reason = "do_flatten=False and its parameters are not already contiguous in memory"
+            if reason is not None:
+                self._keep_per_tensor(index, group, members, reason)
+                continue
+            layout.buffers.append(self._flat_buffer(members))
+
+    def _keep_per_tensor(self, index, group, members, reason: str) -> None:
+        cls = type(self.optimizer).__name__
+        if self.config.on_unsupported == "raise":
+            raise NotElementwiseError(
+                f"{cls} (param group {index}) cannot be fused exactly: {reason}. Flattening would "
+                f"change its math (per-tensor norms, clipping or shape-dependent updates). Use "
+                f"fuse_optimizer(opt, on_unsupported='fallback') to keep its exact unfused step, or "
+                f"fuse_optimizer(opt, assume_elementwise=True) to force fusion if you know the update "
+                f"is elementwise."
+            )
+        # _keep_per_tensor <- _build_group <- FlatLayout <- Fusion <- fuse_optimizer <- user
+        self.warn_once(f"group{index}", f"{cls} param group {index} keeps its unfused step: {reason}", stacklevel=6)
+        member_ids = {id(p) for p in members}
+        for i, p in enumerate(group["params"]):
+            if id(p) in member_ids:
+                self.reasons[self._param_name(group, index, i, p)] = reason
+        self.groups[index].per_tensor.extend(members)
+
+    def _flat_buffer(self, members: List[torch.Tensor]) -> FlatBuffer:
+        if self.config.do_flatten:
+            # Trainable parameters first: frozen ones never get gradients and would split runs.
+            members = [p for p in members if p.requires_grad] + [p for p in members if not p.requires_grad]
+        buffer = FlatBuffer(members, flatten=self.config.do_flatten)
+        for slot in buffer.slots:
+            if slot.param.requires_grad:
+                slot.hook = slot.param.register_post_accumulate_grad_hook(self._grad_hook(buffer, slot))
+        return buffer
+
+    @staticmethod
+    def _grad_hook(buffer: FlatBuffer, slot: Slot):
+        # After zero_grad(set_to_none=True) autograd hands over a fresh tensor: move it into
+        # the flat gradient buffer so every step stays as fused as the first one.
+        def hook(param: torch.Tensor) -> None:
+            buffer.sync_grad(slot)
+
+        return hook
+
+    def refresh(self) -> bool:
+        """Lay out groups added with ``add_param_group`` (or whose parameter lists changed).
+
+        Returns True when anything was rebuilt.
+        """
+        changed = False
+        for index, group in enumerate(self.optimizer.param_groups):
+            layout = self.groups.get(index)
+            if layout is None or layout.param_ids != tuple(id(p) for p in group["params"]):
+                if layout is not None:
+                    self._remove_group_hooks(layout)
+                self._build_group(index, group)
+                changed = True
+        for index in [i for i in self.groups if i >= len(self.optimizer.param_groups)]:
+            self._remove_group_hooks(self.groups.pop(index))
+            changed = True
+        return changed
+
+    @staticmethod
+    def _remove_group_hooks(layout: GroupLayout) -> None:
+        for slot in layout.slots():
+            if slot.hook is not None:
+                slot.hook.remove()
+                slot.hook = None
+
+    def remove_hooks(self) -> None:
+        for layout in self.groups.values():
+            self._remove_group_hooks(layout)
