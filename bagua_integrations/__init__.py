@@ -10,7 +10,15 @@ from .errors import (
     NotAnOptimizerError,
     NotElementwiseError,
 )
-from .fused_optimizer import FusionReport, fuse_optimizer, fusion_report, is_fused_optimizer
+from .fused_optimizer import (
+    FlatSegment,
+    FusionReport,
+    flat_grad_segments,
+    fuse_optimizer,
+    fusion_report,
+    is_fused_optimizer,
+    unfuse,
+)
 from .distributed import (
     Algorithm,
     AlgorithmConfigError,
@@ -38,7 +46,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fuse_optimizer",
+    "unfuse",
     "is_fused_optimizer",
+    "flat_grad_segments",
+    "FlatSegment",
     "fusion_report",
     "FusionReport",
     "FusionError",

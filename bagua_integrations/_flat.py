@@ -16,7 +16,7 @@ Used by fusion (the fused optimizer owns its parameters' memory) and by communic
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -39,7 +39,7 @@ def _aligned(offset: int, element_size: int) -> int:
 class Slot:
     """One parameter's place in a flat buffer."""
 
-    __slots__ = ("param", "start", "end", "param_ptr", "grad_view", "token", "state_views", "hook")
+    __slots__ = ("param", "start", "end", "param_ptr", "grad_view", "token", "state_views")
 
     def __init__(self, param: torch.Tensor, start: int):
         self.param = param
@@ -50,7 +50,6 @@ class Slot:
         # Slots with the same token hold identical scalar state and may share a run.
         self.token: object = None
         self.state_views: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (flat, view)
-        self.hook = None
 
 
 class FlatBuffer:
@@ -213,3 +212,219 @@ class FlatBuffer:
             self.proxies[key] = proxy
         proxy.grad = self.grad[start:end]
         return proxy
+
+
+# ============================================================================= packs
+# Communication moves many tensors at once by handing a collective one flat tensor. Where the
+# tensors are a fused optimizer's (parameters, gradients, state: slots of one flat buffer)
+# that flat tensor is a view of the buffer and nothing is copied; anything else is gathered
+# into a private copy and scattered back. The gradient reducer's buckets, the synchronous
+# gradient average, model algorithms and the start-of-training broadcasts all use this.
+
+
+def shared_flat_view(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A 1-D view covering exactly ``tensors`` and the padding between them, or None.
+
+    Not None when the tensors (in any order) lie back to back in one storage with at most
+    alignment padding between neighbours, as the slots of a :class:`FlatBuffer` do. A gap of
+    a whole alignment step or more might hold a tensor that is not in the list, which a
+    collective on the view would overwrite, so it means "no view".
+    """
+    first = tensors[0]
+    storage = first.untyped_storage()
+    per = align_elements(first.element_size())
+    ordered = sorted(tensors, key=lambda t: t.storage_offset())
+    for t in ordered:
+        if (
+            t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.dtype != first.dtype
+            or t.layout != torch.strided
+            or not t.is_contiguous()
+        ):
+            return None
+    for before, after in zip(ordered, ordered[1:]):
+        gap = after.storage_offset() - (before.storage_offset() + before.numel())
+        if gap < 0 or gap >= per:
+            return None
+    start = ordered[0].storage_offset()
+    length = ordered[-1].storage_offset() + ordered[-1].numel() - start
+    flat = torch.empty(0, dtype=first.dtype, device=first.device)
+    flat.set_(storage, start, (length,))
+    return flat
+
+
+def _gaps(tensors: List[torch.Tensor], start: int) -> List[Tuple[int, int]]:
+    """The ranges of a view starting at storage offset ``start`` that no tensor covers."""
+    gaps, cursor = [], 0
+    for t in sorted(tensors, key=lambda t: t.storage_offset()):
+        lo = t.storage_offset() - start
+        if lo > cursor:
+            gaps.append((cursor, lo))
+        cursor = max(cursor, lo + t.numel())
+    return gaps
+
+
+class PackedTensors:
+    """Some same-device, same-dtype tensors seen as one flat 1-D tensor (a *pack*).
+
+    Glossary (communication side of flat memory):
+
+    * **pack** -- tensors that one collective moves as one flat tensor: ``flat = pack.gather()``,
+      change ``flat`` in place (all-reduce it, average it, ...), then ``pack.scatter()``.
+    * **view** -- when the tensors already lie back to back in one storage (a fused optimizer's
+      parameters, gradients or state), ``flat`` is a view of that storage: gathering and
+      scattering copy nothing. The view is trusted only while every tensor's ``data_ptr`` is
+      the one it had when the pack was made; once one changed (someone assigned ``.data``,
+      the optimizer rebuilt its buffers) the pack copies from then on (``copied``).
+    * **copy** -- otherwise ``flat`` is a private buffer (allocated once, reused):
+      ``gather`` copies the values in, ``scatter`` copies them back.
+    * **gap** -- alignment padding inside a view, between two tensors (``gaps`` are
+      ``(start, end)`` element ranges of ``flat``). It belongs to no tensor and must stay zero
+      (the fused optimizer steps whole flat runs, padding included), so ``scatter`` re-zeroes
+      it in case a lossy reduction (bytegrad) wrote something there.
+    """
+
+    def __init__(self, tensors: List[torch.Tensor]):
+        if not tensors:
+            raise ValueError("a pack needs at least one tensor")
+        first = tensors[0]
+        for t in tensors:
+            if t.device != first.device or t.dtype != first.dtype:
+                raise ValueError(
+                    f"a pack holds tensors of one device and dtype, got {first.dtype} on {first.device} "
+                    f"and {t.dtype} on {t.device}; use pack_tensors to group them"
+                )
+        self.tensors = list(tensors)
+        self.numel = sum(t.numel() for t in self.tensors)
+        self._view = shared_flat_view(self.tensors)
+        self._copy: Optional[torch.Tensor] = None
+        self._gap_index: Optional[torch.Tensor] = None
+        self.gaps: List[Tuple[int, int]] = []
+        if self._view is not None:
+            self._ptrs = [t.data_ptr() for t in self.tensors]
+            self.gaps = _gaps(self.tensors, self._view.storage_offset())
+
+    @property
+    def copied(self) -> bool:
+        """True when ``flat`` is a private copy rather than a view of the tensors' memory."""
+        return self._view is None
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The flat tensor: the view, or the private copy (holding what :meth:`gather` last read)."""
+        return self._view if self._view is not None else self._private_copy()
+
+    def _private_copy(self) -> torch.Tensor:
+        if self._copy is None:
+            first = self.tensors[0]
+            self._copy = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        return self._copy
+
+    def gather(self) -> torch.Tensor:
+        """The flat tensor holding the tensors' current values (the view itself, or a fresh copy)."""
+        if self._view is not None:
+            if all(t.data_ptr() == ptr for t, ptr in zip(self.tensors, self._ptrs)):
+                return self._view
+            self._view, self.gaps, self._gap_index = None, [], None  # a tensor moved: copy from now on
+        copy = self._private_copy()
+        with torch.no_grad():
+            torch.cat([t.detach().reshape(-1) for t in self.tensors], out=copy)
+        return copy
+
+    def scatter(self) -> None:
+        """Give the tensors the values of ``flat`` (after :meth:`gather` and changing ``flat``).
+
+        A copy is written back; a view already is the tensors, only its gaps are re-zeroed.
+        """
+        if self._view is not None:
+            self.zero_gaps()
+            return
+        if self._copy is None:
+            raise RuntimeError("PackedTensors.scatter() before gather(): there is nothing to write back")
+        offset = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                t.detach().copy_(self._copy[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def zero_gaps(self) -> None:
+        """Re-zero the alignment padding inside the view (one kernel however many gaps)."""
+        if not self.gaps:
+            return
+        if len(self.gaps) == 1:
+            start, end = self.gaps[0]
+            self._view[start:end].zero_()
+            return
+        if self._gap_index is None:
+            index = torch.cat([torch.arange(start, end) for start, end in self.gaps])
+            self._gap_index = index.to(self._view.device)
+        self._view.index_fill_(0, self._gap_index, 0)
+
+
+def _distinct_nonempty(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """``tensors`` in order, each once, without the empty ones (they have nothing to move)."""
+    seen, out = set(), []
+    for t in tensors:
+        if t.numel() > 0 and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+class Packs(list):
+    """The packs :func:`pack_tensors` made (a list of :class:`PackedTensors`), used together.
+
+    ``flats = packs.gather()``; change the flats in place; ``packs.scatter()``.
+    ``tensors`` are the tensors packed: each once, empty ones left out, in the order given.
+    """
+
+    def __init__(self, packs: List[PackedTensors], tensors: List[torch.Tensor]):
+        super().__init__(packs)
+        self.tensors = tensors
+
+    @property
+    def zero_copy(self) -> bool:
+        """True when every pack is a view (nothing is copied to communicate them)."""
+        return all(not pack.copied for pack in self)
+
+    def gather(self) -> List[torch.Tensor]:
+        return [pack.gather() for pack in self]
+
+    def scatter(self) -> None:
+        for pack in self:
+            pack.scatter()
+
+    def same_tensors(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """True when packing ``tensors`` would pack the same tensors in the same order."""
+        return [id(t) for t in _distinct_nonempty(tensors)] == [id(t) for t in self.tensors]
+
+
+def pack_tensors(tensors: Iterable[torch.Tensor], max_bytes: Optional[int] = None) -> Packs:
+    """Group ``tensors`` by (device, dtype) into packs of about ``max_bytes`` bytes.
+
+    Each tensor counts once; empty tensors are left out. A pack is closed once it holds at
+    least ``max_bytes`` (None: one pack per device and dtype). Tensors that share flat memory
+    are cut in memory order, so that every pack of them is still a view.
+    """
+    distinct = _distinct_nonempty(tensors)
+    by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for t in distinct:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    packs: List[PackedTensors] = []
+    for members in by_key.values():
+        if max_bytes is None:
+            packs.append(PackedTensors(members))
+            continue
+        if shared_flat_view(members) is not None:
+            members = sorted(members, key=lambda t: t.data_ptr())
+        current: List[torch.Tensor] = []
+        size = 0
+        for t in members:
+            current.append(t)
+            size += t.numel() * t.element_size()
+            if size >= max_bytes:
+                packs.append(PackedTensors(current))
+                current, size = [], 0
+        if current:
+            packs.append(PackedTensors(current))
+    return Packs(packs, distinct)

@@ -41,6 +41,53 @@ class FusionConfig:
             raise ValueError(f"compile must be True, False or 'auto', got {self.compile!r}")
 
 
+def tied_parameters(params: List[torch.Tensor]) -> set:
+    """``id``s of parameters whose bytes overlap another parameter's (tied weights).
+
+    Sharing a storage is not enough: every parameter of an already-fused model lives in one
+    flat storage, side by side, and can be fused again (re-laid out) by a new optimizer.
+    """
+    spans = defaultdict(list)  # storage -> [(first byte, end byte, id)]
+    for p in params:
+        if p.device.type == "meta" or p.numel() == 0 or p.layout != torch.strided:
+            continue
+        first = p.storage_offset() * p.element_size()
+        last = first + max(0, max((size - 1) * stride for size, stride in zip(p.shape, p.stride()))) * p.element_size()
+        spans[(p.device, p.untyped_storage().data_ptr())].append((first, last + p.element_size(), id(p)))
+    tied = set()
+    for ranges in spans.values():
+        ranges.sort()
+        reach, owner = -1, None
+        for start, end, ident in ranges:
+            if start < reach:
+                tied.update((ident, owner))
+            if end > reach:
+                reach, owner = end, ident
+    return tied
+
+
+class GradHooks:
+    """The gradient hooks of one layout, by slot. Holds no reference to the optimizer, so it
+    can be cleared when the optimizer is garbage-collected."""
+
+    def __init__(self):
+        self.handles: Dict[int, Any] = {}  # id(slot) -> RemovableHandle
+
+    def add(self, slot: Slot, handle) -> None:
+        self.handles[id(slot)] = handle
+
+    def remove(self, slots) -> None:
+        for slot in slots:
+            handle = self.handles.pop(id(slot), None)
+            if handle is not None:
+                handle.remove()
+
+    def remove_all(self) -> None:
+        for handle in self.handles.values():
+            handle.remove()
+        self.handles.clear()
+
+
 class GroupLayout:
     """One param group: its flat buffers, and the parameters always stepped one by one."""
 
@@ -62,6 +109,7 @@ class FlatLayout:
         self.config = config
         self.groups: Dict[int, GroupLayout] = {}
         self.reasons: Dict[str, str] = {}  # parameter name -> why it is stepped per tensor
+        self.hooks = GradHooks()
         self._probe_cache: Dict[Tuple[str, torch.device], Optional[str]] = {}
         self._warned = set()
         try:
@@ -105,12 +153,14 @@ class FlatLayout:
             self._probe_cache[key] = probe_elementwise(self.optimizer, group, device)
         return self._probe_cache[key]
 
-    def _unfusable_reason(self, p: torch.Tensor, storages) -> Optional[str]:
+    def _unfusable_reason(self, p: torch.Tensor, tied: set) -> Optional[str]:
         if p.numel() == 0:
             return "it has no elements"
         if p.layout != torch.strided:
             return "it is not a dense tensor"
-        if storages[p.untyped_storage().data_ptr()] > 1 and self.config.do_flatten:
+        if p.device.type == "meta":
+            return "it is on the meta device (materialize the model, e.g. model.to_empty(device=...), before fusing)"
+        if id(p) in tied and self.config.do_flatten:
             return "it shares memory with another parameter (flattening would untie them)"
         return None
 
@@ -118,12 +168,10 @@ class FlatLayout:
         params = group["params"]
         layout = GroupLayout(params)
         self.groups[index] = layout
-        storages = defaultdict(int)
-        for p in params:
-            storages[p.untyped_storage().data_ptr()] += 1
+        tied = tied_parameters(params)
         by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
         for i, p in enumerate(params):
-            reason = self._unfusable_reason(p, storages)
+            reason = self._unfusable_reason(p, tied)
             if reason:
                 self.reasons[self._param_name(group, index, i, p)] = reason
                 layout.per_tensor.append(p)
@@ -163,7 +211,7 @@ class FlatLayout:
         buffer = FlatBuffer(members, flatten=self.config.do_flatten)
         for slot in buffer.slots:
             if slot.param.requires_grad:
-                slot.hook = slot.param.register_post_accumulate_grad_hook(self._grad_hook(buffer, slot))
+                self.hooks.add(slot, slot.param.register_post_accumulate_grad_hook(self._grad_hook(buffer, slot)))
         return buffer
 
     @staticmethod
@@ -185,21 +233,13 @@ class FlatLayout:
             layout = self.groups.get(index)
             if layout is None or layout.param_ids != tuple(id(p) for p in group["params"]):
                 if layout is not None:
-                    self._remove_group_hooks(layout)
+                    self.hooks.remove(layout.slots())
                 self._build_group(index, group)
                 changed = True
         for index in [i for i in self.groups if i >= len(self.optimizer.param_groups)]:
-            self._remove_group_hooks(self.groups.pop(index))
+            self.hooks.remove(self.groups.pop(index).slots())
             changed = True
         return changed
 
-    @staticmethod
-    def _remove_group_hooks(layout: GroupLayout) -> None:
-        for slot in layout.slots():
-            if slot.hook is not None:
-                slot.hook.remove()
-                slot.hook = None
-
     def remove_hooks(self) -> None:
-        for layout in self.groups.values():
-            self._remove_group_hooks(layout)
+        self.hooks.remove_all()

@@ -9,10 +9,14 @@ and closures (LBFGS) all show up as a mismatch or an exception.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict, defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from ._torch_compat import tensor_version
+from .errors import FusionError
 
 # Shapes mix 1-D and N-D tensors (to catch "no weight decay on biases"-style rules);
 # parameter and gradient scales span many decades (to catch norms, clipping and eps effects).
@@ -23,23 +27,49 @@ _PROBE_STEPS = 3
 _RTOL = 1e-5
 
 
+# Attributes of the optimizer the probe's copies never get: its real parameters and state,
+# its hooks, and what fuse_optimizer / GradScaler attach to it.
+_NOT_COPIED = ("param_groups", "state", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "fuse_step",
+               "step", "grad_scale", "found_inf")
+
+
+class ProbeCopyError(Exception):
+    """The optimizer cannot be copied for probing (see :func:`_probe_clone`)."""
+
+
 def _probe_clone(optimizer: torch.optim.Optimizer, group: Dict[str, Any], params: List[torch.Tensor]):
     """A throw-away copy of ``optimizer`` holding one group (same hyper-parameters) over ``params``.
 
-    The copy shares no state and no step hooks with the original, so probing never
-    touches the user's optimizer.
+    Everything else the optimizer refers to is deep-copied, so the probe cannot touch a user
+    tensor even through an attribute: a wrapper optimizer (Lookahead-style) steps a *copy*
+    of its inner optimizer and of that one's parameters. Ordinary optimizers hold nothing
+    but small settings outside ``param_groups``/``state``, so the copy is cheap.
     """
     clone = object.__new__(type(optimizer))
-    clone.__dict__.update(optimizer.__dict__)
-    for attr in list(clone.__dict__):
-        if attr.startswith("_bagua_") or attr in ("fuse_step", "step", "grad_scale", "found_inf"):
-            clone.__dict__.pop(attr)
+    rest = {k: v for k, v in optimizer.__dict__.items() if k not in _NOT_COPIED and not k.startswith("_bagua_")}
+    try:
+        clone.__dict__.update(copy.deepcopy(rest))
+    except Exception as exc:
+        raise ProbeCopyError(f"{type(exc).__name__}: {exc}") from exc
     clone.state = defaultdict(dict)
     clone.param_groups = [dict(group, params=params)]
-    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
-        if hooks in clone.__dict__:
-            clone.__dict__[hooks] = OrderedDict()
+    clone._optimizer_step_pre_hooks = OrderedDict()
+    clone._optimizer_step_post_hooks = OrderedDict()
     return clone
+
+
+def _user_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The real parameters, gradients and state tensors of ``optimizer``."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.append(p)
+            if p.grad is not None:
+                out.append(p.grad)
+    for per_param in optimizer.state.values():
+        if isinstance(per_param, dict):
+            out.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    return out
 
 
 def _synthetic(device, dtype, generator):
@@ -79,9 +109,13 @@ def probe_elementwise(
 
     per_tensor = [torch.nn.Parameter(t.clone()) for t in init]
     flat = torch.nn.Parameter(torch.cat([t.reshape(-1) for t in init]))
-    opt_a = _probe_clone(optimizer, group, per_tensor)
-    opt_b = _probe_clone(optimizer, group, [flat])
+    try:
+        opt_a = _probe_clone(optimizer, group, per_tensor)
+        opt_b = _probe_clone(optimizer, group, [flat])
+    except ProbeCopyError as exc:
+        return f"it cannot be copied to be probed on synthetic tensors ({exc})"
     step = type(optimizer).step
+    watched = [(t, tensor_version(t)) for t in _user_tensors(optimizer)]
     try:
         for step_grads in grads:
             for p, g in zip(per_tensor, step_grads):
@@ -91,6 +125,14 @@ def probe_elementwise(
             step(opt_b)
     except Exception as exc:  # the probe reports; the caller decides whether to raise
         return f"its step raised {type(exc).__name__} on synthetic tensors ({exc})"
+    finally:
+        touched = [t for t, version in watched if tensor_version(t) != version]
+        if touched:  # a safety net: the deep copy above should make this impossible
+            raise FusionError(
+                f"probing {type(optimizer).__name__} modified {len(touched)} of its real tensors (its step "
+                "reaches them through something the probe could not copy); fuse_optimizer cannot check "
+                "it safely. Fuse it with assume_elementwise=True only if you know its update is elementwise."
+            )
 
     with torch.no_grad():
         reason = _mismatch("the parameter update", torch.cat([p.reshape(-1) for p in per_tensor]), flat)

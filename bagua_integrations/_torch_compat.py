@@ -26,6 +26,7 @@ __all__ = [
     "inductor_backend",
     "step_keeping_lr_scheduler_marker",
     "mark_step_taken",
+    "tensor_version",
 ]
 
 
@@ -105,3 +106,8 @@ def mark_step_taken(optimizer: torch.optim.Optimizer) -> None:
     before ``optimizer.step()``.
     """
     optimizer._opt_called = True
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """Autograd's in-place modification counter of ``tensor`` (underscored attribute ``_version``)."""
+    return tensor._version

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import warnings
+import weakref
 import types
 import warnings
 from contextlib import contextmanager
@@ -242,6 +243,17 @@ def fuse_optimizer(
             f"fuse_optimizer expects a torch.optim.Optimizer instance, got {type(optimizer).__name__}; "
             "build the optimizer first, e.g. fuse_optimizer(torch.optim.AdamW(model.parameters()))"
         )
+    if "_optimizer_step_post_hooks" not in optimizer.__dict__:
+        inner = getattr(optimizer, "optimizer", None)
+        hint = (
+            f"fuse the optimizer it wraps (a {type(inner).__name__}) before wrapping it, e.g. "
+            "fuse_optimizer(opt) first and accelerator.prepare(..., opt) after, or hf_plugin.prepare"
+            if isinstance(inner, torch.optim.Optimizer)
+            else "fuse the torch.optim.Optimizer it wraps instead"
+        )
+        raise NotAnOptimizerError(
+            f"{type(optimizer).__name__} did not run torch.optim.Optimizer.__init__ (it is a wrapper); {hint}"
+        )
     if is_fused_optimizer(optimizer):
         raise AlreadyFusedError(
             f"this {type(optimizer).__name__} is already fused; call fuse_optimizer once per optimizer"
@@ -252,7 +264,11 @@ def fuse_optimizer(
             f"{type(optimizer).__name__} has no parameters to fuse; pass the model's parameters "
             "when building it (or add_param_group before fusing)"
         )
-    setattr(optimizer, _ATTR, Fusion(optimizer, config))
+    fusion = Fusion(optimizer, config)
+    setattr(optimizer, _ATTR, fusion)
+    # The gradient hooks live on the parameters, which outlive the optimizer (a second
+    # fine-tuning stage builds a new one): release them with it.
+    weakref.finalize(optimizer, fusion.layout.hooks.remove_all)
     optimizer.fuse_step = types.MethodType(_fused_step, optimizer)
     if replace_step:
         fused_step = types.MethodType(_fused_step, optimizer)
