@@ -6,14 +6,14 @@ fairseq's extension points, and what runs there:
   passes of all ``--update-freq`` micro-batches): a *gradient* algorithm averages the module's
   gradients with ``allreduce_parameter_gradients``. With ``--ddp-backend legacy_ddp`` (or ``no_c10d``)
   fairseq's wrapper communicates nothing by itself, so this is the only gradient exchange.
-* right after the optimizer step: a *model* algorithm gets the parameters and the update
-  number (``after_step``) and averages weights with its peers (decentralized) or runs a
-  block sync (bmuf). Gradients stay local.
+* right after the optimizer step: a *model* algorithm averages weights with its peers
+  (decentralized) or runs a block sync (bmuf). Gradients stay local.
 
-Everything that touches the distributed core goes through this module.
+The algorithm is driven by the core's :class:`AlgorithmSession` (attach, the cross-rank
+consistency check, update counting, checkpoints); this module only reads fairseq's flags and
+finds fairseq's data-parallel group.
 """
 
-import inspect
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
@@ -22,6 +22,9 @@ import torch
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
+
+from bagua_integrations.distributed import AlgorithmSession, comm, get_algorithm, list_algorithms
+from bagua_integrations.distributed.algorithms.registry import algorithm_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -87,21 +90,8 @@ class AlgorithmOptions(FairseqDataclass):
 OPTION_NAMES = [f.name for f in fields(AlgorithmOptions) if f.name.startswith("bagua_")]
 
 
-def _core():
-    try:
-        from bagua_integrations import distributed
-    except ImportError as exc:  # pragma: no cover - the core ships with this package
-        raise ImportError(
-            f"--bagua-algorithm needs bagua_integrations.distributed, which cannot be imported ({exc})"
-        ) from exc
-    return distributed
-
-
 def choices() -> List[str]:
-    try:
-        return list(_core().list_algorithms())
-    except ImportError:
-        return list(ALGORITHMS)
+    return list_algorithms()
 
 
 def add_args(parser) -> None:
@@ -124,10 +114,7 @@ def _value(cfg, name: str):
 
 def algorithm_kwargs(cfg, name: str) -> Dict[str, Any]:
     """The keyword arguments for algorithm ``name`` from the ``--bagua-*`` options that are set."""
-    try:
-        accepted = set(inspect.signature(type(_core().get_algorithm(name))).parameters)
-    except (TypeError, ValueError):
-        accepted = None  # a factory we cannot inspect: let get_algorithm judge the arguments
+    accepted = algorithm_parameters(name)  # None: a factory we cannot inspect, get_algorithm judges
     kwargs: Dict[str, Any] = {}
     rejected = []
     for option in OPTION_NAMES:
@@ -157,96 +144,16 @@ def check_name(name) -> str:
     return name
 
 
-def _unwrap(module):
-    seen = 0
-    while module is not None and seen < 8:
-        yield module
-        module = getattr(module, "module", None)
-        seen += 1
-
-
 def _ddp_class_in(module) -> Optional[str]:
-    for inner in _unwrap(module):
-        if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
-            return type(inner).__name__
+    for _ in range(8):  # fairseq's wrappers keep the model as .module
+        if module is None or isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            return None if module is None else type(module).__name__
+        module = getattr(module, "module", None)
     return None
 
 
-class AlgorithmRunner:
-    """One Bagua algorithm driven from fairseq's optimizer hooks."""
-
-    def __init__(self, name: str, algorithm, group, torch_optimizer, params: List[torch.Tensor]):
-        self.name = name
-        self.algorithm = algorithm
-        self.kind = algorithm.kind
-        self.group = group
-        self.num_updates = 0
-        # on every rank at the same point (hierarchical node groups are created here), before the
-        # first step (bmuf records the starting weights and optimizer state)
-        algorithm.attach(params, optimizer=torch_optimizer, group=group)
-
-    # gradient algorithms -------------------------------------------------------------
-    def all_reduce_grads(self, module) -> None:
-        if self.kind != "gradient":
-            return  # model algorithms keep gradients local
-        wrapper = _ddp_class_in(module)
-        if wrapper is not None:
-            raise RuntimeError(
-                f"--bagua-algorithm {self.name} found the model wrapped in {wrapper}, which already "
-                f"averages gradients; train with --ddp-backend legacy_ddp"
-            )
-        # fairseq's legacy DDP semantics: unused parameters contribute zero gradients (so ranks
-        # always send the same tensors), expert parameters stay local
-        params = [p for p in module.parameters() if not hasattr(p, "expert")]
-        self.algorithm.allreduce_parameter_gradients(params, group=self.group)
-
-    # model algorithms ----------------------------------------------------------------
-    def after_step(self, params: List[torch.Tensor]) -> None:
-        self.num_updates += 1
-        if self.kind == "model":
-            self.algorithm.after_step(params, self.num_updates, group=self.group)
-
-    def aggregate_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        """Mean of the ranks' local gradient norms (model algorithms: gradients differ per rank)."""
-        if self.kind != "model" or not _is_distributed(self.group):
-            return norm
-        import torch.distributed as dist
-
-        buffer = norm.detach().to(torch.float64).reshape(1).clone()
-        dist.all_reduce(buffer, group=self.group)
-        return (buffer / dist.get_world_size(self.group)).to(norm.dtype).reshape(norm.shape)
-
-    # checkpoints ---------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        state: Dict[str, Any] = {"name": self.name, "num_updates": self.num_updates}
-        if hasattr(self.algorithm, "state_dict"):
-            state["algorithm"] = self.algorithm.state_dict()
-        return state
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state.get("name") != self.name:
-            logger.warning(
-                f"bagua_fused: the checkpoint was trained with --bagua-algorithm {state.get('name')}, "
-                f"now {self.name}; its algorithm state is not restored"
-            )
-            return
-        self.num_updates = int(state.get("num_updates", 0))
-        if self.kind == "model" and hasattr(self.algorithm, "num_updates"):
-            self.algorithm.num_updates = self.num_updates
-        if "algorithm" in state and hasattr(self.algorithm, "load_state_dict"):
-            self.algorithm.load_state_dict(state["algorithm"])
-
-
-def _is_distributed(group) -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
 def _data_parallel_group():
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    if not comm.is_distributed():
         return None
     from fairseq.distributed import utils as distributed_utils
 
@@ -287,15 +194,33 @@ def prepare(cfg, root=None):
         return None
     name = check_name(str(name))
     check_setup(name, root)
-    return name, _core().get_algorithm(name, **algorithm_kwargs(cfg, name))
+    return name, get_algorithm(name, **algorithm_kwargs(cfg, name))
 
 
-def attach(prepared, torch_optimizer, params: List[torch.Tensor]) -> Optional[AlgorithmRunner]:
-    """Bind the algorithm :func:`prepare` returned to the (fused) optimizer and its parameters."""
+def attach(prepared, torch_optimizer, params: List[torch.Tensor]) -> Optional[AlgorithmSession]:
+    """Start the algorithm :func:`prepare` returned on the (fused) optimizer's parameters.
+
+    Runs on every rank when fairseq builds the optimizer, before the first update; ranks whose
+    model, optimizer or algorithm options differ stop with ``ModelMismatchError``.
+    """
     if prepared is None:
         return None
     name, algorithm = prepared
     group = _data_parallel_group()
-    if not _is_distributed(group):
+    if not comm.is_distributed(group):
         logger.warning(f"bagua_fused: --bagua-algorithm {name} has nothing to do in a single process")
-    return AlgorithmRunner(name, algorithm, group, torch_optimizer, params)
+    return AlgorithmSession(algorithm, optimizer=torch_optimizer, params=params, group=group)
+
+
+def gradient_params(session: AlgorithmSession, module) -> List[torch.Tensor]:
+    """What ``all_reduce_grads(module)`` averages: every parameter but MoE experts' (which stay local).
+
+    Refuses a model inside torch's DDP, which would average the gradients a second time.
+    """
+    wrapper = _ddp_class_in(module)
+    if wrapper is not None:
+        raise RuntimeError(
+            f"--bagua-algorithm {session.name} found the model wrapped in {wrapper}, which already "
+            f"averages gradients; train with --ddp-backend legacy_ddp"
+        )
+    return [p for p in module.parameters() if not hasattr(p, "expert")]

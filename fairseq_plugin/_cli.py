@@ -15,6 +15,8 @@ import argparse
 import json
 from typing import Dict, List, Optional, Sequence
 
+from ._fairseq_compat import parser_option_dests, wrap_parse_known_args
+
 DEFAULT_BASE = "adam"
 # Registered optimizers that cannot be the base: ourselves, and the composite optimizer
 # (a container of several FairseqOptimizers with per-group schedulers, not one torch optimizer).
@@ -54,7 +56,7 @@ def base_option_names(base: str) -> Optional[List[str]]:
         return []
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     cls.add_args(parser)
-    return [action.dest for action in parser._actions if action.dest != argparse.SUPPRESS]
+    return parser_option_dests(parser)
 
 
 def _interpolated(base: str) -> set:
@@ -92,14 +94,17 @@ def collect_base_args(base: str, namespace) -> Dict[str, object]:
 
 
 def install_base_flags(parser: argparse.ArgumentParser) -> None:
-    """Teach ``parser`` (fairseq's training parser) the base optimizer's flags; idempotent."""
+    """Teach ``parser`` (fairseq's training parser) the base optimizer's flags; idempotent.
+
+    Every parse of ``parser`` goes through the function below (see
+    :func:`fairseq_plugin._fairseq_compat.wrap_parse_known_args` for why fairseq forces that).
+    """
     if getattr(parser, _HOOK_ATTR, False):
         return
     setattr(parser, _HOOK_ATTR, True)
-    original = parser.parse_known_args
     added: Dict[str, bool] = {}
 
-    def parse_known_args(args=None, namespace=None):
+    def parse_known_args(original, args=None, namespace=None):
         probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
         probe.add_argument("--optimizer", default=None)
         probe.add_argument("--bagua-base-optimizer", default=DEFAULT_BASE)
@@ -132,4 +137,4 @@ def install_base_flags(parser: argparse.ArgumentParser) -> None:
         parsed.bagua_base_args = json.dumps(collect_base_args(base, parsed), sort_keys=True)
         return parsed, extra
 
-    parser.parse_known_args = parse_known_args
+    wrap_parse_known_args(parser, parse_known_args)

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.dataclass.utils import _set_legacy_defaults, gen_parser_from_dataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.optim import (
     OPTIMIZER_DATACLASS_REGISTRY,
     OPTIMIZER_REGISTRY,
     FairseqOptimizer,
-    _build_optimizer,
     register_optimizer,
 )
 from omegaconf import II, DictConfig, OmegaConf
@@ -28,6 +27,7 @@ from omegaconf import II, DictConfig, OmegaConf
 from bagua_integrations import NotElementwiseError, fuse_optimizer, fusion_report, is_fused_optimizer
 
 from . import _algorithms, _cli
+from ._fairseq_compat import build_registered_optimizer, config_parent, set_legacy_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +82,7 @@ class BaguaFusedConfig(_algorithms.AlgorithmOptions, BaguaFusedOptions):
 
 
 def _root_of(cfg) -> Optional[DictConfig]:
-    if not isinstance(cfg, DictConfig):
-        return None
-    parent = cfg._get_parent()
-    return parent if isinstance(parent, DictConfig) else None
+    return config_parent(cfg)
 
 
 def _flat_sections(root: Optional[DictConfig]) -> Dict[str, Any]:
@@ -132,8 +129,8 @@ def build_base_optimizer(cfg, params) -> FairseqOptimizer:
             setattr(base_cfg, key, value)
         base_cfg.lr = lr
         base_cfg.optimizer = base
-        _set_legacy_defaults(base_cfg, OPTIMIZER_REGISTRY[base])
-    return _build_optimizer(base_cfg, params)
+        set_legacy_defaults(base_cfg, OPTIMIZER_REGISTRY[base])
+    return build_registered_optimizer(base_cfg, params)
 
 
 @register_optimizer("bagua_fused", dataclass=BaguaFusedConfig)
@@ -261,7 +258,7 @@ class BaguaFusedOptimizer(FairseqOptimizer):
             self.multiply_grads(1.0 / scale)
         self._optimizer.step(closure)
         if self.algorithm is not None:
-            self.algorithm.after_step(list(self.params))
+            self.algorithm.after_update()
         if not self._logged_first_step:
             self._logged_first_step = True
             report = fusion_report(self._optimizer)
@@ -274,8 +271,8 @@ class BaguaFusedOptimizer(FairseqOptimizer):
         """Gradient communication: the Bagua algorithm's, or the module's own (legacy DDP)."""
         if self.algorithm is None:
             self.base_optimizer.all_reduce_grads(module)
-        else:
-            self.algorithm.all_reduce_grads(module)
+        else:  # a no-op for model algorithms, which keep gradients local
+            self.algorithm.allreduce_gradients(_algorithms.gradient_params(self.algorithm, module))
 
     # Flags: fused steps take no ``scale``/``groups``; the rest is whatever the base supports.
     @property

@@ -11,7 +11,8 @@ A drop-in for ``accelerator.prepare(model, optimizer, ...)`` that
    checkpoints work (fused parameters are disjoint views of one storage, which safetensors would
    otherwise take for tied weights and refuse);
 4. attaches a Bagua algorithm to the DDP model Accelerate created: gradient algorithms as its DDP
-   communication hook, model algorithms around ``optimizer.step()`` of the returned optimizer.
+   communication hook, model algorithms after ``optimizer.step()`` of the returned optimizer
+   (see :func:`_run_after_step` for why that one wraps ``step`` instead of a step hook).
 """
 
 from __future__ import annotations
@@ -119,9 +120,14 @@ def prepare(
 def _run_after_step(accelerated_optimizer, attachment) -> None:
     """Run the model algorithm's communication after every update of the AcceleratedOptimizer.
 
-    The instance's ``step`` is replaced (not the wrapped optimizer's, which the GradScaler path swaps
-    in and out). Micro-steps of gradient accumulation do not count; an update a GradScaler skipped
-    on this rank does, so that every rank runs the same collectives.
+    The one place the integrations do not use torch's public step post-hook
+    (``AlgorithmSession.install_step_hook``), because such a hook only runs when the optimizer's
+    ``step`` runs: when a GradScaler finds inf/NaN gradients, ``scaler.step`` skips
+    ``optimizer.step()`` on that rank alone (model algorithms keep gradients local, so ranks skip
+    differently), and a post-hook would leave that rank out of the weight averaging the others
+    enter, which hangs them. So the AcceleratedOptimizer *instance*'s ``step`` is wrapped (not
+    the inner optimizer's, which Accelerate's GradScaler path swaps in and out): an update counts
+    whenever Accelerate syncs gradients, skipped or not; accumulation micro-steps do not.
     """
     original = accelerated_optimizer.step
     gradient_state = getattr(accelerated_optimizer, "gradient_state", None)

@@ -21,6 +21,8 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
+from _dist_utils import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "fairseq_plugin"
 PROBE_DIR = Path(__file__).resolve().parent / "_fairseq_probe"
@@ -176,7 +178,7 @@ def _command(data, save_dir, args, model, nproc) -> List[str]:
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             "--nproc_per_node", str(nproc),
-            "--master_port", str(_free_port()),
+            "--master_port", str(free_port()),
             "-m", "fairseq_cli.train",
         ]
     else:
@@ -244,7 +246,7 @@ class _Started:
 
     def _relaunch(self) -> "_Started":
         cmd = list(self.cmd)
-        cmd[cmd.index("--master_port") + 1] = str(_free_port())
+        cmd[cmd.index("--master_port") + 1] = str(free_port())
         if self.save_dir is not None:
             shutil.rmtree(self.save_dir, ignore_errors=True)  # no half-written checkpoint to resume from
         return _Started(cmd, self.save_dir, self.timeout, self.extra_env, retried=True)
@@ -274,14 +276,6 @@ def train_pair(data: Path, root: Path, reference_args: Sequence[str], fused_args
     first = start_train(data, root / "ref", reference_args, **kwargs)
     second = start_train(data, root / "fused", fused_args, **kwargs)
     return first.finish().check(), second.finish().check()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def plugin_args(base: Optional[str] = "adam", *extra: str) -> List[str]:

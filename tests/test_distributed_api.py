@@ -8,6 +8,7 @@ import torch
 
 from _dist_models import MLP, Branchy, global_batches, loss_fn
 from bagua_integrations import fuse_optimizer
+from bagua_integrations._flat import pack_tensors
 from bagua_integrations.distributed import (
     BMUF,
     AlgorithmConfigError,
@@ -31,8 +32,7 @@ from bagua_integrations.distributed import (
     register_algorithm,
 )
 from bagua_integrations.distributed.algorithms.decentralized import shift_one_peer
-from bagua_integrations.distributed.bucketing import build_segments, flatten_groups, make_buckets
-from bagua_integrations.distributed.packing import ParamPack
+from bagua_integrations.distributed.bucketing import build_segments, make_buckets
 from bagua_integrations.fused_optimizer import fused_layout
 
 BUILTIN = ["bmuf", "bytegrad", "decentralized", "gradient_allreduce"]
@@ -223,14 +223,14 @@ def test_shift_one_pairs_halves_and_rotates(size):
 def test_param_pack_is_zero_copy_over_a_fused_buffer_and_copies_otherwise():
     model = MLP()
     optimizer = fuse_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    pack = ParamPack(model.parameters())
+    pack = pack_tensors(model.parameters())
     assert pack.zero_copy
     (flat,) = pack.gather()
     assert flat.data_ptr() == fused_layout(optimizer).groups[0].buffers[0].param.data_ptr()
     flat.add_(1.0)
     pack.scatter()
     plain = MLP()
-    copied = ParamPack(plain.parameters())
+    copied = pack_tensors(plain.parameters())
     assert not copied.zero_copy
     (flat,) = copied.gather()
     flat.mul_(0)
@@ -265,11 +265,11 @@ def test_fused_segments_keep_alignment_gaps_and_tensor_buckets_reuse_flat_memory
     bucket.zero_gaps()
     assert all((bucket.flat[a:b] == 0).all() for a, b in bucket.gaps)
     grads = [e.view for e in segments[0].entries]
-    (tensor_bucket,) = flatten_groups(grads, 10**9)
+    (tensor_bucket,) = pack_tensors(grads, 10**9)
     assert not tensor_bucket.copied
     separate = [torch.ones(3), torch.ones(2, 2)]
-    assert [b.copied for b in flatten_groups(separate, 100)] == [True]  # two storages: one flat copy
-    assert [b.copied for b in flatten_groups(separate, 8)] == [False, False]  # one tensor per bucket: itself
+    assert [b.copied for b in pack_tensors(separate, 100)] == [True]  # two storages: one flat copy
+    assert [b.copied for b in pack_tensors(separate, 8)] == [False, False]  # one tensor per bucket: itself
 
 
 def test_reducer_single_process_keeps_unused_grads_none_and_grads_flat():

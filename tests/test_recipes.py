@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from _dist_utils import free_port
 from recipes.bert_benchmark import DEFAULT_ROWS, ROWS, get_preset, parse_rows
 from recipes.bert_benchmark.data import (
     Example,
@@ -193,7 +194,7 @@ def test_full_tiny_table_both_frontends(tmp_path):
 @pytest.mark.slow
 def test_torchrun_two_processes_with_bagua_algorithm(tmp_path):
     out = tmp_path / "out"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     frontend = "both" if fairseq_ready() else "hf"
     done = run_recipe("--preset", "tiny", "--frontend", frontend, "--rows", "bertadam,bertadam-fused-compiled",
                       "--bagua-algorithm", "gradient_allreduce", "--out-dir", out, launcher=launcher, timeout=600)
@@ -209,14 +210,6 @@ def test_torchrun_two_processes_with_bagua_algorithm(tmp_path):
         assert abs(fairseq["bertadam"]["accuracy"] - fairseq["bertadam-fused-compiled"]["accuracy"]) <= 0.03
         assert "--bagua-algorithm gradient_allreduce" in fairseq["bertadam-fused-compiled"]["extra"]["command"]
     assert "2 processes" in table, done.stdout
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------ fast unit tests

@@ -31,17 +31,26 @@ from .errors import (
 )
 from .module import BaguaModule, DistributedModule, ModelSwitchWrapper, StepHooks, bagua_init
 from .reducer import Reducer
-from .sync import allreduce_parameters, broadcast_parameters, check_same_on_all_ranks, describe_model
+from .session import AlgorithmSession
+from .sync import (
+    allreduce_parameters,
+    broadcast_parameters,
+    check_same_on_all_ranks,
+    describe_model,
+    describe_parameters,
+)
 
 __all__ = [
     "bagua_init",
     "BaguaModule",
     "DistributedModule",
     "ModelSwitchWrapper",
+    "AlgorithmSession",
     "broadcast_parameters",
     "allreduce_parameters",
     "check_same_on_all_ranks",
     "describe_model",
+    "describe_parameters",
     "Reducer",
     "Algorithm",
     "GradientAlgorithm",

@@ -1,10 +1,20 @@
-"""Flat gradient memory and the buckets cut from it.
+"""Gradient segments and the buckets the reducer cuts from them.
 
-A *segment* is one flat gradient tensor whose slices are the ``.grad`` of some parameters:
-either a fused optimizer's flat gradient buffer (shared, zero copy) or a buffer the reducer
-allocates itself. A *bucket* is a contiguous range of one segment that one communication
-averages; buckets are numbered in the order backward is expected to fill them (last
-parameters first) and are launched strictly in that order on every rank.
+The reducer averages gradients while backward is still running, so before backward it must
+know where each gradient will land and in which order the gradients will arrive:
+
+* a *segment* is one flat gradient tensor whose slices are the ``.grad`` of some parameters:
+  a fused optimizer's flat gradient buffer (shared: the optimizer's hook already moves every
+  fresh gradient there, so the reducer copies nothing), or a buffer allocated here for the
+  other parameters (a fresh gradient is copied in once, then ``.grad`` stays a view of it);
+* a *bucket* is a contiguous range of one segment that one communication averages. Buckets
+  are numbered in the order backward is expected to fill them (last parameters first) and
+  are launched strictly in that order on every rank.
+
+Seeing tensors as one flat tensor (views, alignment gaps) is :mod:`bagua_integrations._flat`'s
+job: a bucket is a :class:`~bagua_integrations._flat.PackedTensors` of its gradients that is
+always a view. The fused optimizer is reached only through its public
+:func:`~bagua_integrations.fused_optimizer.flat_grad_segments`.
 """
 
 from __future__ import annotations
@@ -12,13 +22,12 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..fused_optimizer import fused_layout, is_fused_optimizer
+from .._flat import PackedTensors
+from ..fused_optimizer import flat_grad_segments, is_fused_optimizer
 from .errors import ReducerStateError
-from .packing import shared_flat_view
 
-__all__ = ["GradSegment", "Bucket", "build_segments", "make_buckets", "TensorBucket", "flatten_groups"]
+__all__ = ["GradSegment", "Bucket", "build_segments", "make_buckets"]
 
 
 class Entry:
@@ -93,26 +102,36 @@ def _owned_segment(params: List[torch.Tensor]) -> GradSegment:
     return segment
 
 
+def _fused_segments(optimizer, order: Dict[int, int], claimed: set) -> List[GradSegment]:
+    """Segments sharing a fused optimizer's flat gradient buffers.
+
+    A buffer is split wherever it holds a parameter the reducer does not average (frozen, or
+    already claimed by another optimizer): a bucket is one view of the buffer, and averaging
+    over that parameter's slice would change a gradient nobody asked to average.
+    """
+    segments: List[GradSegment] = []
+    for flat_segment in flat_grad_segments(optimizer):
+        run: List[Tuple[torch.Tensor, int]] = []
+        for param, start in zip(flat_segment.params, flat_segment.starts):
+            if id(param) in order and id(param) not in claimed:
+                run.append((param, start))
+                claimed.add(id(param))
+            elif run:
+                segments.append(GradSegment(flat_segment.flat, run, shared=True))
+                run = []
+        if run:
+            segments.append(GradSegment(flat_segment.flat, run, shared=True))
+    return segments
+
+
 def build_segments(params: Sequence[torch.Tensor], optimizers: Sequence[torch.optim.Optimizer]) -> List[GradSegment]:
     """Segments covering ``params``: fused optimizers' flat gradient buffers first, then own buffers."""
     order: Dict[int, int] = {id(p): i for i, p in enumerate(params)}
-    claimed = set()
+    claimed: set = set()
     segments: List[GradSegment] = []
     for optimizer in optimizers:
-        if not is_fused_optimizer(optimizer):
-            continue
-        layout = fused_layout(optimizer)
-        for index in sorted(layout.groups):
-            for buffer in layout.groups[index].buffers:
-                run: List[Tuple[torch.Tensor, int]] = []
-                for slot in buffer.slots + [None]:
-                    wanted = slot is not None and id(slot.param) in order and id(slot.param) not in claimed
-                    if wanted:
-                        run.append((slot.param, slot.start))
-                        claimed.add(id(slot.param))
-                    elif run:
-                        segments.append(GradSegment(buffer.grad, run, shared=True))
-                        run = []
+        if is_fused_optimizer(optimizer):
+            segments.extend(_fused_segments(optimizer, order, claimed))
     rest: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for p in params:
         if id(p) not in claimed:
@@ -127,23 +146,25 @@ def build_segments(params: Sequence[torch.Tensor], optimizers: Sequence[torch.op
 
 
 class Bucket:
-    """A contiguous range of one segment, averaged by one communication."""
+    """A contiguous range of one segment, averaged by one communication.
 
-    def __init__(self, index: int, segment: GradSegment, entries: List[Entry]):
+    ``flat`` is a view of the segment covering the entries' gradients and the alignment
+    ``gaps`` between them (a fused buffer's padding), which a lossy reduction must re-zero.
+    """
+
+    def __init__(self, index: int, entries: List[Entry]):
         self.index = index
         self.entries = entries
-        lo = min(e.start for e in entries)
-        hi = max(e.end for e in entries)
-        self.flat = segment.flat[lo:hi]
-        covered = sorted((e.start - lo, e.end - lo) for e in entries)
-        self.gaps = []
-        cursor = 0
-        for start, end in covered:
-            if start > cursor:
-                self.gaps.append((cursor, start))
-            cursor = max(cursor, end)
+        self.pack = PackedTensors([e.view for e in entries])
+        if self.pack.copied:  # entries of one segment are adjacent slices of it: always a view
+            raise ReducerStateError("internal error: a gradient bucket is not a view of its segment")
+        self.flat = self.pack.flat
         for entry in entries:
             entry.bucket = self
+
+    @property
+    def gaps(self) -> List[Tuple[int, int]]:
+        return self.pack.gaps
 
     @property
     def nbytes(self) -> int:
@@ -151,8 +172,7 @@ class Bucket:
 
     def zero_gaps(self) -> None:
         """Re-zero alignment padding a lossy reduction may have filled."""
-        for start, end in self.gaps:
-            self.flat[start:end].zero_()
+        self.pack.zero_gaps()
 
     def describe(self) -> str:
         return f"{self.flat.dtype}:{self.flat.numel()}:{len(self.entries)}"
@@ -167,61 +187,8 @@ def make_buckets(segments: Sequence[GradSegment], message_size: int) -> List[Buc
             current.append(entry)
             span = (current[0].end - entry.start) * segment.flat.element_size()
             if span >= message_size:
-                buckets.append(Bucket(len(buckets), segment, current))
+                buckets.append(Bucket(len(buckets), current))
                 current = []
         if current:
-            buckets.append(Bucket(len(buckets), segment, current))
-    return buckets
-
-
-# ---------------------------------------------------------------------- synchronous bucketing
-class TensorBucket:
-    """Same-dtype tensors averaged together: a view when they share flat memory, else a flat copy."""
-
-    def __init__(self, tensors: List[torch.Tensor]):
-        self.tensors = tensors
-        self.flat = shared_flat_view(tensors)
-        self.copied = self.flat is None
-        self.gaps: List[Tuple[int, int]] = []
-        if self.copied:
-            self.flat = _flatten_dense_tensors(tensors) if len(tensors) > 1 else tensors[0].detach().reshape(-1).clone()
-        else:
-            base = self.flat.data_ptr()
-            size = self.flat.element_size()
-            cursor = 0
-            for t in sorted(tensors, key=lambda t: t.data_ptr()):
-                start = (t.data_ptr() - base) // size
-                if start > cursor:
-                    self.gaps.append((cursor, start))
-                cursor = start + t.numel()
-
-    def write_back(self) -> None:
-        if not self.copied:
-            for start, end in self.gaps:
-                self.flat[start:end].zero_()
-            return
-        with torch.no_grad():
-            for t, value in zip(self.tensors, _unflatten_dense_tensors(self.flat, self.tensors)):
-                t.copy_(value)
-
-
-def flatten_groups(tensors: Sequence[torch.Tensor], message_size: int) -> List[TensorBucket]:
-    """Group tensors by (device, dtype) and pack each group into buckets of about ``message_size`` bytes."""
-    by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-    for t in tensors:
-        by_key.setdefault((t.device, t.dtype), []).append(t)
-    buckets: List[TensorBucket] = []
-    for members in by_key.values():
-        if shared_flat_view(members) is not None:
-            members = sorted(members, key=lambda t: t.data_ptr())
-        current: List[torch.Tensor] = []
-        size = 0
-        for t in members:
-            current.append(t)
-            size += t.numel() * t.element_size()
-            if size >= message_size:
-                buckets.append(TensorBucket(current))
-                current, size = [], 0
-        if current:
-            buckets.append(TensorBucket(current))
+            buckets.append(Bucket(len(buckets), current))
     return buckets

@@ -21,6 +21,7 @@ __all__ = [
     "world_size",
     "rank",
     "as_timedelta",
+    "average",
     "Pending",
     "Stages",
     "NodeGroups",
@@ -102,6 +103,16 @@ def all_reduce(tensor, group=None, op=None):
 def reduce(tensor, dst: int, group=None):
     collective_log.record("reduce", tensor)
     return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def average(flat: torch.Tensor, group=None) -> Stages:
+    """Average ``flat`` in place over ``group``, as stages: divide by the group size, then sum-allreduce.
+
+    Dividing first (as DDP and fairseq do) keeps half-precision sums in range and gives the
+    same bits as fairseq's own averaging. The one place this is written.
+    """
+    flat.div_(world_size(group))
+    yield all_reduce(flat, group)
 
 
 def broadcast(tensor, src: int, group=None):

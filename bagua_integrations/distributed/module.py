@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
-from ..fused_optimizer import is_fused_optimizer
 from . import comm
 from .algorithms import Algorithm, accepted_kwargs, get_algorithm
 from .errors import AlgorithmConfigError, DistributedError
 from .reducer import Reducer
-from .sync import (
-    allreduce_optimizer_state,
-    allreduce_parameters,
-    broadcast_buffers,
-    broadcast_parameters,
-    check_same_on_all_ranks,
-    describe_model,
-)
+from .session import AlgorithmSession
+from .sync import allreduce_optimizer_state, allreduce_parameters, broadcast_buffers, broadcast_parameters
 
 __all__ = ["BaguaModule", "DistributedModule", "bagua_init", "ModelSwitchWrapper"]
 
@@ -44,6 +36,8 @@ class StepHooks:
 
     Torch's public step hooks: a fused step (``fuse_step()``, or ``step()`` with
     ``replace_step=True``) runs them exactly like an ordinary step, whenever it was fused.
+    A public helper for custom loops; :class:`BaguaModule` registers the same hooks itself
+    (:meth:`AlgorithmSession.install_step_hook` for the algorithm).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, before: Optional[Callable[[], None]] = None,
@@ -97,7 +91,8 @@ class BaguaModule(torch.nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.timeout = comm.as_timedelta(timeout)
         self.reducer: Optional[Reducer] = None
-        self._step_hooks: List[StepHooks] = []
+        self.session: Optional[AlgorithmSession] = None
+        self._handles: list = []
         self.distributed = comm.is_distributed(process_group)
         if algorithm.kind == "model" and len(self.optimizers) != 1:
             raise AlgorithmConfigError(
@@ -106,8 +101,6 @@ class BaguaModule(torch.nn.Module):
             )
         if not self.distributed:
             return  # one process: the model runs plainly
-        if algorithm.timeout is None:
-            algorithm.timeout = self.timeout
         if algorithm.kind == "gradient":
             self.reducer = Reducer(
                 module.parameters(),
@@ -120,36 +113,24 @@ class BaguaModule(torch.nn.Module):
                 timeout=self.timeout,
             )
         try:
-            self._check_consistency()
-            if sync_initial_weights:
-                broadcast_parameters(module, broadcast_buffers, group=process_group, timeout=self.timeout)
-            algorithm.attach(self._algorithm_params(), self.optimizers[0] if self.optimizers else None, process_group)
+            self.session = AlgorithmSession(
+                algorithm,
+                optimizer=self.optimizers,
+                model=module,
+                group=process_group,
+                timeout=self.timeout,
+                extra_description=[self.reducer.describe()] if self.reducer is not None else [],
+                before_attach=(lambda: broadcast_parameters(module, broadcast_buffers, group=process_group,
+                                                            timeout=self.timeout)) if sync_initial_weights else None,
+            )
         except BaseException:
             self.close()
             raise
-        before = self.reducer.before_step if self.reducer is not None else None
-        after = self._after_step if algorithm.wants_step_hook else None
-        self._step_hooks = [StepHooks(opt, before=before, after=after) for opt in self.optimizers]
-
-    def _algorithm_params(self) -> List[torch.Tensor]:
-        # fairseq's BMUF acts on the optimizer's parameters; without an optimizer, the model's.
-        if self.optimizers:
-            return [p for group in self.optimizers[0].param_groups for p in group["params"]]
-        return list(self.module.parameters())
-
-    def _check_consistency(self) -> None:
-        lines = describe_model(self.module)
-        lines.append(f"algorithm {self.algorithm.signature()}")
-        optimizers = [type(o).__name__ + (" fused" if is_fused_optimizer(o) else "") for o in self.optimizers]
-        lines.append(f"optimizers {optimizers}")
-        if self.reducer is not None:
-            lines.append(self.reducer.describe())
-        if self.algorithm.hierarchical:
-            lines.append(f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', 'unset')}")
-        check_same_on_all_ranks(lines, "model, optimizer or algorithm", group=self.process_group, timeout=self.timeout)
-
-    def _after_step(self) -> None:
-        self.algorithm.after_step()
+        for opt in self.optimizers:
+            if self.reducer is not None:  # keeps a rank that skipped backward in step with the others
+                self._handles.append(opt.register_step_pre_hook(lambda *_: self.reducer.before_step()))
+            if self.session.acts_after_step:
+                self._handles.append(self.session.install_step_hook(opt))
 
     # ------------------------------------------------------------------ nn.Module
     def forward(self, *args, **kwargs):
@@ -180,13 +161,17 @@ class BaguaModule(torch.nn.Module):
 
     def close(self) -> None:
         """Remove every hook this wrapper installed (used when switching algorithms)."""
-        for hooks in self._step_hooks:
-            hooks.remove()
-        self._step_hooks = []
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         if self.reducer is not None:
             self.reducer.detach()
             self.reducer = None
-        self.algorithm.detach()
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        else:
+            self.algorithm.detach()
         self.distributed = False
 
 

@@ -8,9 +8,9 @@ from typing import List, Optional
 
 import torch
 
+from .._flat import pack_tensors
 from . import comm
 from .errors import ModelMismatchError
-from .packing import ParamPack
 
 __all__ = [
     "broadcast_parameters",
@@ -18,16 +18,12 @@ __all__ = [
     "allreduce_optimizer_state",
     "check_same_on_all_ranks",
     "describe_model",
+    "describe_parameters",
 ]
 
 
 def _broadcast(flat: torch.Tensor, src: int, group) -> comm.Stages:
     yield comm.broadcast(flat, src, group)
-
-
-def _average(flat: torch.Tensor, group) -> comm.Stages:
-    flat.div_(comm.world_size(group))
-    yield comm.all_reduce(flat, group)
 
 
 def _run_all(stages: List[comm.Stages], what: str, timeout) -> None:
@@ -37,7 +33,7 @@ def _run_all(stages: List[comm.Stages], what: str, timeout) -> None:
 
 
 def _broadcast_tensors(tensors, src: int, group, what: str, timeout) -> None:
-    pack = ParamPack(tensors)
+    pack = pack_tensors(tensors)
     if not pack.tensors:
         return
     flats = pack.gather()
@@ -75,10 +71,10 @@ def allreduce_parameters(module: torch.nn.Module, *, group=None, timeout=None) -
     if not comm.is_distributed(group):
         return
     floating = [p.detach() for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
-    pack = ParamPack(floating)
+    pack = pack_tensors(floating)
     if pack.tensors:
         flats = pack.gather()
-        _run_all([_average(flat, group) for flat in flats], "parameter averaging", timeout)
+        _run_all([comm.average(flat, group) for flat in flats], "parameter averaging", timeout)
         pack.scatter()
     integers = [b for b in module.buffers() if not b.is_floating_point()]
     if integers:
@@ -99,10 +95,10 @@ def allreduce_optimizer_state(optimizer: torch.optim.Optimizer, *, group=None, t
     """Average the optimizer's parameter-shaped state over ranks (each divided first, then summed)."""
     if not comm.is_distributed(group):
         return
-    pack = ParamPack(optimizer_state_tensors(optimizer))
+    pack = pack_tensors(optimizer_state_tensors(optimizer))
     if pack.tensors:
         flats = pack.gather()
-        _run_all([_average(flat, group) for flat in flats], "optimizer state averaging", timeout)
+        _run_all([comm.average(flat, group) for flat in flats], "optimizer state averaging", timeout)
         pack.scatter()
 
 
@@ -114,6 +110,11 @@ def describe_model(module: torch.nn.Module) -> List[str]:
     ]
     lines += [f"buffer {name} {tuple(b.shape)} {b.dtype}" for name, b in module.named_buffers()]
     return lines
+
+
+def describe_parameters(params) -> List[str]:
+    """One line per tensor, for callers that have parameters but no module (fairseq's optimizer)."""
+    return [f"param {i} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}" for i, p in enumerate(params)]
 
 
 def _digest(lines: List[str]) -> int:

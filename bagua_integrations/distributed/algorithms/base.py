@@ -20,10 +20,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..._flat import Packs, pack_tensors
 from .. import comm
-from ..bucketing import flatten_groups
 from ..errors import AlgorithmConfigError
-from ..packing import ParamPack
 
 __all__ = ["Algorithm", "GradientAlgorithm", "ModelAlgorithm"]
 
@@ -89,6 +88,14 @@ class Algorithm:
     def detach(self) -> None:
         """Forget the attached parameters (called when switching algorithms)."""
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint must carry to resume this algorithm on schedule; stateless by default."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (after :meth:`attach`)."""
+
 
 class GradientAlgorithm(Algorithm):
     """Averages gradients across ranks, one flat bucket at a time."""
@@ -141,14 +148,14 @@ class GradientAlgorithm(Algorithm):
                     f"{self.name} averages dense gradients only, got a {g.layout} gradient of shape "
                     f"{tuple(g.shape)}; use a dense embedding (sparse=False) or average it yourself"
                 )
-        buckets = flatten_groups(grads, self.message_size)
+        buckets = pack_tensors(grads, self.message_size)
         pendings = [
-            comm.Pending(self.stages(bucket.flat, group), f"{self.name} gradient bucket {i + 1}/{len(buckets)}", timeout)
+            comm.Pending(self.stages(bucket.gather(), group), f"{self.name} gradient bucket {i + 1}/{len(buckets)}", timeout)
             for i, bucket in enumerate(buckets)
         ]
         for bucket, pending in zip(buckets, pendings):
             pending.wait()
-            bucket.write_back()
+            bucket.scatter()
 
     def allreduce_parameter_gradients(
         self, params: Iterable[torch.Tensor], group=None, timeout: comm.Timeout = None
@@ -214,14 +221,14 @@ class ModelAlgorithm(Algorithm):
 
     def __init__(self, hierarchical: Optional[bool] = None, timeout: comm.Timeout = None):
         super().__init__(hierarchical, timeout)
-        self.pack: Optional[ParamPack] = None
+        self.pack: Optional[Packs] = None
         self.optimizer = None
         self.num_updates = 0
 
     def attach(self, params: Iterable[torch.Tensor], optimizer=None, group=None) -> "ModelAlgorithm":
         params = list(params)
         super().attach(params, optimizer, group)
-        self.pack = ParamPack(params)
+        self.pack = pack_tensors(params)
         self.optimizer = optimizer
         self.num_updates = 0
         self.validate(group)
@@ -237,6 +244,13 @@ class ModelAlgorithm(Algorithm):
     def detach(self) -> None:
         self.pack = None
         self.optimizer = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        # The update counter decides when the next communication happens (every N updates).
+        return {"num_updates": self.num_updates}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.num_updates = int(state.get("num_updates", self.num_updates))
 
     def after_step(self, params=None, step: Optional[int] = None, *, optimizer=None, group=None) -> bool:
         """Run after each optimizer step with the model's parameters; returns whether it communicated.

@@ -154,14 +154,13 @@ class BMUF(ModelAlgorithm):
 
     @torch.no_grad()
     def _block_sync(self, group) -> None:
-        size = float(comm.world_size(group))
-        flats = self.pack.gather()
+        flats = self.pack.gather()  # averaged like fairseq: divided before summing, same bits
         if self.block_momentum == 0:
-            self.run([_average(flat, size, group) for flat in flats], "block sync")
+            self.run([comm.average(flat, group) for flat in flats], "block sync")
             self.pack.scatter()
         else:
             block_grads = [global_flat - flat for global_flat, flat in zip(self.global_params, flats)]
-            self.run([_average(grad, size, group) for grad in block_grads], "block sync")
+            self.run([comm.average(grad, group) for grad in block_grads], "block sync")
             for index, (flat, global_flat, grad) in enumerate(zip(flats, self.global_params, block_grads)):
                 smoothed = self.block_momentum * self.smoothed_grads[index] + self.block_lr * grad
                 flat.copy_(global_flat - smoothed)
@@ -175,12 +174,6 @@ class BMUF(ModelAlgorithm):
 
     def _average_optimizer_state(self, group) -> None:
         allreduce_optimizer_state(self.optimizer, group=group, timeout=self.timeout)
-
-
-def _average(flat: torch.Tensor, size: float, group) -> comm.Stages:
-    # fairseq divides before summing; same order, same bits.
-    flat /= size
-    yield comm.all_reduce(flat, group)
 
 
 def _broadcast(flat: torch.Tensor, root: int, group) -> comm.Stages:

@@ -111,8 +111,7 @@ class Decentralized(ModelAlgorithm):
 
     def _average_with_peers(self, flat: torch.Tensor, group) -> comm.Stages:
         if self.peer_selection_mode == "all":
-            flat.div_(comm.world_size(group))
-            yield comm.all_reduce(flat, group)
+            yield from comm.average(flat, group)
             return
         received = torch.empty_like(flat)
         yield comm.exchange(flat, received, self.peer(group), group)

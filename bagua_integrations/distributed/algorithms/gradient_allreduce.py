@@ -27,6 +27,4 @@ class GradientAllReduce(GradientAlgorithm):
     hierarchical_default = False
 
     def average(self, flat: torch.Tensor, group) -> comm.Stages:
-        # Dividing first, like DDP, keeps half-precision sums in range.
-        flat.div_(comm.world_size(group))
-        yield comm.all_reduce(flat, group)
+        return comm.average(flat, group)

@@ -9,7 +9,14 @@ from typing import Callable, Dict, List, Optional, Union
 from ..errors import AlgorithmConfigError, UnknownAlgorithmError
 from .base import Algorithm
 
-__all__ = ["register_algorithm", "get_algorithm", "list_algorithms", "accepted_kwargs", "DistributedAlgorithm"]
+__all__ = [
+    "register_algorithm",
+    "get_algorithm",
+    "list_algorithms",
+    "accepted_kwargs",
+    "algorithm_parameters",
+    "DistributedAlgorithm",
+]
 
 _REGISTRY: Dict[str, Callable[..., Algorithm]] = {}
 
@@ -53,15 +60,26 @@ def _factory(name) -> Optional[Callable[..., Algorithm]]:
     return _REGISTRY.get(name.lower()) if isinstance(name, str) else None
 
 
-def accepted_kwargs(name, kwargs: Dict) -> Dict:
-    """The subset of ``kwargs`` the algorithm registered as ``name`` takes (all of them if unknown)."""
+def algorithm_parameters(name) -> Optional[List[str]]:
+    """The keyword arguments the algorithm registered as ``name`` takes; None when unknown or open-ended."""
     factory = _factory(name)
     if factory is None:
-        return dict(kwargs)
-    parameters = inspect.signature(factory).parameters
+        return None
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a factory that cannot be inspected
+        return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return [p for p in parameters if p not in ("self", "args")]
+
+
+def accepted_kwargs(name, kwargs: Dict) -> Dict:
+    """The subset of ``kwargs`` the algorithm registered as ``name`` takes (all of them if unknown)."""
+    accepted = algorithm_parameters(name)
+    if accepted is None:
         return dict(kwargs)
-    return {k: v for k, v in kwargs.items() if k in parameters}
+    return {k: v for k, v in kwargs.items() if k in accepted}
 
 
 def get_algorithm(name_or_obj: Union[str, Algorithm], **kwargs) -> Algorithm:

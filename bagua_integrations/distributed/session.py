@@ -1,0 +1,199 @@
+"""``AlgorithmSession``: the one place where a distributed algorithm is driven.
+
+``bagua_init``'s :class:`BaguaModule`, fairseq's ``--bagua-algorithm`` and the HF Trainer /
+Accelerate integration all drive an algorithm the same way: pick the parameters it acts on,
+check that every rank agrees, attach it, count optimizer updates, run model algorithms after
+each one, and checkpoint the counters. They only differ in *where* their framework lets them
+hook in, so that is all an integration keeps; everything else lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ..fused_optimizer import is_fused_optimizer
+from . import comm
+from .algorithms import Algorithm
+from .errors import AlgorithmConfigError
+from .sync import check_same_on_all_ranks, describe_model, describe_parameters
+
+__all__ = ["AlgorithmSession"]
+
+logger = logging.getLogger(__name__)
+
+Optimizers = Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
+
+
+class AlgorithmSession:
+    """One algorithm attached to one set of parameters over one process group.
+
+    Build it on every rank at the same point of the program, before the first optimizer step.
+    The constructor
+
+    1. checks that every rank has the same model (or parameters), algorithm settings and
+       optimizer layout (fused or not); a mismatch raises :class:`ModelMismatchError` on
+       every rank before anything else is exchanged, instead of a hang in the first
+       collective (``check_consistency=False`` skips it where the caller checks itself);
+    2. runs ``before_attach()`` if given: ``bagua_init`` broadcasts rank 0's weights there,
+       after the check (so mismatched ranks never exchange weights) and before ``attach``
+       (so BMUF records the broadcast weights as the start of its first block);
+    3. calls ``algorithm.attach(params, optimizer, group)``.
+
+    Args:
+        optimizer: the optimizer (or a list of them; the first one is the algorithm's).
+        model: the model every rank must agree on; without it, ``params`` are compared.
+        params: what the algorithm acts on. Default: the optimizer's parameters (fairseq's
+            BMUF acts on those, e.g. fp32 master copies), else the model's trainable ones.
+        group: the process group (default, or ``dist.group.WORLD``: the world).
+        timeout: longest wait for a collective; default the algorithm's own ``timeout``.
+        extra_description: more lines every rank must agree on (e.g. a bucket layout).
+    """
+
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        *,
+        optimizer: Optimizers = None,
+        model: Optional[torch.nn.Module] = None,
+        params: Optional[Iterable[torch.Tensor]] = None,
+        group=None,
+        timeout: comm.Timeout = None,
+        check_consistency: bool = True,
+        extra_description: Sequence[str] = (),
+        before_attach: Optional[Callable[[], None]] = None,
+    ):
+        self.algorithm = algorithm
+        self.name = algorithm.name or type(algorithm).__name__
+        self.optimizers: List[torch.optim.Optimizer] = (
+            [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        )
+        self.optimizer = self.optimizers[0] if self.optimizers else None
+        if self.kind == "model" and len(self.optimizers) > 1:
+            raise AlgorithmConfigError(
+                f"{self.name} acts after the optimizer step and needs one optimizer, got {len(self.optimizers)}"
+            )
+        # None is the default group to the algorithms and to DDP's hook state alike
+        self.group = None if group is dist.group.WORLD else group
+        self.timeout = comm.as_timedelta(timeout) if timeout is not None else algorithm.timeout
+        if algorithm.timeout is None:
+            algorithm.timeout = self.timeout
+        self.num_updates = 0
+        self._handles: list = []
+        self.params = self._select_params(params, model)
+        if check_consistency:
+            self._check_consistency(model, extra_description)
+        if before_attach is not None:
+            before_attach()
+        algorithm.attach(self.params, self.optimizer, self.group)
+
+    def _select_params(self, params, model) -> List[torch.Tensor]:
+        if params is not None:
+            return list(params)
+        if self.optimizer is not None:
+            return [p for group in self.optimizer.param_groups for p in group["params"]]
+        if model is not None:
+            return [p for p in model.parameters() if p.requires_grad]
+        raise AlgorithmConfigError(f"{self.name} needs the parameters it acts on: pass params=, optimizer= or model=")
+
+    def _check_consistency(self, model, extra_description: Sequence[str]) -> None:
+        lines = describe_model(model) if model is not None else describe_parameters(self.params)
+        lines.append(f"algorithm {self.algorithm.signature()}")
+        lines.append(f"optimizers {[type(o).__name__ + (' fused' if is_fused_optimizer(o) else '') for o in self.optimizers]}")
+        if self.algorithm.hierarchical:
+            lines.append(f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', 'unset')}")
+        lines.extend(extra_description)
+        check_same_on_all_ranks(lines, "model, optimizer or algorithm", group=self.group, timeout=self.timeout)
+
+    # ------------------------------------------------------------------ what it is
+    @property
+    def kind(self) -> str:
+        """``"gradient"`` (averages gradients before the step) or ``"model"`` (acts after it)."""
+        return self.algorithm.kind
+
+    @property
+    def distributed(self) -> bool:
+        """Whether there are peers at all (a single process communicates nothing)."""
+        return comm.is_distributed(self.group)
+
+    @property
+    def acts_after_step(self) -> bool:
+        """Whether :meth:`after_update` must run after every optimizer update (model algorithms)."""
+        return self.algorithm.wants_step_hook
+
+    # ------------------------------------------------------------------ driving it
+    def after_update(self, step: Optional[int] = None) -> bool:
+        """Count one optimizer update and run the algorithm's post-step communication; returns whether it did.
+
+        Call it on every rank after every update, also one a GradScaler skipped on this rank:
+        model algorithms keep gradients local, so ranks may skip differently, and the
+        collectives must still match. ``step`` is the update number including this one (e.g.
+        a framework's global step, so a resumed run continues the count); default: one more.
+        """
+        self.num_updates = self.num_updates + 1 if step is None else int(step)
+        if not self.acts_after_step:
+            return False
+        return bool(self.algorithm.after_step(step=self.num_updates))
+
+    def install_step_hook(self, optimizer: torch.optim.Optimizer):
+        """Run :meth:`after_update` after every ``optimizer.step()`` (plain or fused); returns the handle.
+
+        Torch's public step post-hook: a fused step runs it exactly like an ordinary step.
+        :meth:`close` removes it.
+        """
+        handle = optimizer.register_step_post_hook(lambda *_: self.after_update())
+        self._handles.append(handle)
+        return handle
+
+    def allreduce_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """Gradient algorithms: average ``params``' gradients in place, a missing one counting as zeros.
+
+        For frameworks with their own loop (fairseq's ``all_reduce_grads``); a no-op for model
+        algorithms, which keep gradients local.
+        """
+        if self.kind == "gradient":
+            self.algorithm.allreduce_parameter_gradients(params, group=self.group, timeout=self.timeout)
+
+    def aggregate_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The mean of the ranks' local gradient norms under a model algorithm, else ``norm``.
+
+        Model algorithms leave each rank its own gradients (and its own clipping); reporting the
+        mean keeps logged norms, and checks that compare them across ranks, in agreement.
+        """
+        if self.kind != "model" or not self.distributed:
+            return norm
+        mean = norm.detach().to(torch.float64).reshape(1).clone()
+        comm.run(comm.average(mean, self.group), f"{self.name} gradient norm averaging", self.timeout)
+        return mean.to(norm.dtype).reshape(norm.shape)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """The algorithm's name, the update count and the algorithm's own :meth:`Algorithm.state_dict`."""
+        return {"name": self.name, "num_updates": self.num_updates, "algorithm": self.algorithm.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> bool:
+        """Restore :meth:`state_dict`; returns whether it did.
+
+        A checkpoint of another algorithm is not restored (one warning): its counters mean
+        nothing to this one, and training goes on from a fresh schedule.
+        """
+        if state.get("name") != self.name:
+            logger.warning(
+                f"the checkpoint was trained with the distributed algorithm {state.get('name')}, now "
+                f"{self.name}; its algorithm state is not restored"
+            )
+            return False
+        self.num_updates = int(state.get("num_updates", 0))
+        self.algorithm.load_state_dict(state.get("algorithm") or {})
+        return True
+
+    def close(self) -> None:
+        """Remove the step hooks this session installed and detach the algorithm."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.algorithm.detach()

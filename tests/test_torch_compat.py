@@ -1,0 +1,213 @@
+"""bagua_integrations/_torch_compat.py on the installed torch.
+
+Each test exercises one compat function the way the package uses it. When a torch release
+moves the private API underneath, the failure names the function and the torch version, so
+the fix starts in that one module.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from bagua_integrations import _torch_compat as compat
+
+WHERE = "bagua_integrations/_torch_compat.py"
+
+
+def changed(name: str, detail: str = "") -> str:
+    """The failure message: which function, which torch, what was seen."""
+    return f"{name}: torch {torch.__version__} changed private API used by {WHERE}" + (f" ({detail})" if detail else "")
+
+
+@pytest.fixture
+def private_api(private_api_guard):
+    """``with private_api("fn"):`` -- any error inside fails with :func:`changed`'s message."""
+    return lambda name: private_api_guard(lambda detail: changed(name, detail))
+
+
+def _scheduler_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, UserWarning)
+            and ("overridden" in str(w.message) or "before `optimizer.step()`" in str(w.message))]
+
+
+# ------------------------------------------------------------------------------ unwrapped_step
+def test_unwrapped_step_of_adamw_is_the_raw_function_without_grad_mode(private_api):
+    name = "unwrapped_step"
+    with private_api(name):
+        param = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([param], lr=0.1)  # the first instance installs torch's hook wrapper
+        assert getattr(torch.optim.AdamW.step, "hooked", False), changed(name, "AdamW.step carries no 'hooked' mark")
+        step, strips_grad_mode = compat.unwrapped_step(torch.optim.AdamW)
+        assert strips_grad_mode is True, changed(name, "torch's _use_grad wrapper was not recognised on AdamW.step")
+        # AdamW's own step, or Adam's where AdamW inherits it (torch >= 2.8)
+        assert step.__qualname__ in ("AdamW.step", "Adam.step"), changed(name, f"got {step.__qualname__}")
+        assert not hasattr(step, "hooked") and not hasattr(step, "__wrapped__"), changed(name, "a wrapper is left")
+        # the raw function is AdamW's step: called under no_grad it updates like opt.step()
+        twin = torch.nn.Parameter(torch.ones(3))
+        twin_opt = torch.optim.AdamW([twin], lr=0.1)
+        param.grad, twin.grad = torch.full((3,), 0.5), torch.full((3,), 0.5)
+        opt.step()
+        with torch.no_grad():
+            step(twin_opt)
+        assert torch.equal(param, twin), changed(name, "the unwrapped step updates differently")
+
+
+def test_unwrapped_step_of_a_plain_subclass_returns_its_own_step(private_api):
+    name = "unwrapped_step"
+
+    class Plain(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1))
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+    raw = Plain.__dict__["step"]
+    with private_api(name):
+        Plain([torch.nn.Parameter(torch.ones(2))])  # installs the hook wrapper on Plain.step
+        assert Plain.step is not raw, changed(name, "torch no longer wraps a subclass's step on first use")
+        step, strips_grad_mode = compat.unwrapped_step(Plain)
+        assert step is raw, changed(name, f"got {step!r}, not the subclass's own step")
+        assert strips_grad_mode is False, changed(name, "a plain step was taken for torch's _use_grad wrapper")
+
+
+# ------------------------------------------------------------------------------ forget_float_specializations
+def test_forget_float_specializations_clears_dynamos_memory(private_api):
+    name = "forget_float_specializations"
+    try:
+        from torch._dynamo.symbolic_convert import TensorifyState
+    except ImportError:
+        if torch.torch_version.TorchVersion(torch.__version__) >= "2.6":  # it came with torch 2.6
+            pytest.fail(changed(name, "torch._dynamo.symbolic_convert.TensorifyState is gone"))
+        pytest.skip(f"torch {torch.__version__} predates TensorifyState: nothing to forget")
+    with private_api(name):
+        assert callable(getattr(TensorifyState, "clear", None)), changed(name, "TensorifyState.clear is gone")
+        TensorifyState.specialize("zf_bagua_test")
+        assert TensorifyState.should_specialize("zf_bagua_test")
+        compat.forget_float_specializations()
+        assert not TensorifyState.should_specialize("zf_bagua_test"), changed(name, "the specialization survived")
+
+
+# ------------------------------------------------------------------------------ queue_end_of_backward
+def test_queue_end_of_backward_runs_after_every_gradient(private_api):
+    name = "queue_end_of_backward"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    seen = []
+
+    def at_end():
+        seen.append([p.grad is not None for p in model.parameters()])
+
+    queued = []
+
+    def hook(grad):
+        if not queued:  # first gradient of this backward: queue once
+            queued.append(True)
+            compat.queue_end_of_backward(at_end)
+        return grad
+
+    model[2].weight.register_hook(hook)
+    with private_api(name):
+        model(torch.randn(3, 4)).sum().backward()
+        assert seen == [[True] * 4], changed(name, f"callback runs: {seen}")
+
+
+# ------------------------------------------------------------------------------ inductor_backend
+def test_inductor_backend_is_a_compile_backend(private_api):
+    import inspect
+
+    name = "inductor_backend"
+    with private_api(name):
+        backend = compat.inductor_backend()
+        assert callable(backend), changed(name, f"{backend!r} is not callable")
+        assert backend.__name__ == "compile_fx", changed(name, f"got {backend.__name__}")
+        assert len(inspect.signature(backend).parameters) >= 2, changed(name, "no (graph_module, example_inputs) signature")
+
+
+# ------------------------------------------------------------------------------ LR-scheduler markers
+def _sgd():
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    return param, torch.optim.SGD([param], lr=0.1)
+
+
+def test_step_keeping_lr_scheduler_marker_keeps_a_scheduler_quiet(private_api):
+    name = "step_keeping_lr_scheduler_marker"
+    with private_api(name):
+        param, opt = _sgd()
+
+        def new_step():
+            with torch.no_grad():
+                param.sub_(0.1 * param.grad)
+
+        assert compat.step_keeping_lr_scheduler_marker(opt, new_step) is new_step, changed(name, "no scheduler yet")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        assert getattr(opt.__dict__.get("step"), "_wrapped_by_lr_sched", False), changed(name, "scheduler wrapper mark")
+        opt.step = compat.step_keeping_lr_scheduler_marker(opt, new_step)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            opt.step()
+            scheduler.step()
+        assert not _scheduler_warnings(record), changed(name, f"warned: {_scheduler_warnings(record)}")
+        assert torch.allclose(param, torch.full((2,), 0.9)), changed(name, "new_step did not run")
+
+        # the check above can fail: a bare replacement makes the scheduler complain
+        _, bare = _sgd()
+        bare_scheduler = torch.optim.lr_scheduler.LambdaLR(bare, lambda s: 1.0)
+        bare.step = lambda: None
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            bare.step()
+            bare_scheduler.step()
+        assert any("overridden" in m for m in _scheduler_warnings(record)), changed(name, "the scheduler no longer warns")
+
+
+def test_mark_step_taken_tells_the_scheduler_a_step_happened(private_api):
+    name = "mark_step_taken"
+    with private_api(name):
+        _, opt = _sgd()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        compat.mark_step_taken(opt)  # what fuse_step() does instead of calling the wrapped opt.step()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            scheduler.step()
+        assert not _scheduler_warnings(record), changed(name, f"warned: {_scheduler_warnings(record)}")
+
+        _, unmarked = _sgd()
+        unmarked_scheduler = torch.optim.lr_scheduler.LambdaLR(unmarked, lambda s: 1.0)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            unmarked_scheduler.step()
+        assert any("before `optimizer.step()`" in m for m in _scheduler_warnings(record)), (
+            changed(name, "the scheduler no longer warns about a missing optimizer.step()")
+        )
+
+
+# ------------------------------------------------------------------------------ tensor_version
+def test_tensor_version_counts_in_place_changes(private_api):
+    name = "tensor_version"
+    if not hasattr(compat, name):
+        pytest.skip(f"{WHERE} has no {name}")
+    with private_api(name):
+        t = torch.zeros(3)
+        before = compat.tensor_version(t)
+        t.add_(1)
+        assert compat.tensor_version(t) == before + 1, changed(name, "an in-place add did not bump the version")
+        t + 1
+        assert compat.tensor_version(t) == before + 1, changed(name, "an out-of-place add bumped the version")
+
+
+# ------------------------------------------------------------------------------ coverage of the module
+TESTED = {
+    "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
+    "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version",
+}
+
+
+def test_every_compat_function_has_a_test_here():
+    untested = sorted(set(compat.__all__) - TESTED)
+    assert not untested, f"{WHERE} has function(s) without a test in tests/test_torch_compat.py: {untested}"
