@@ -88,6 +88,46 @@ def _synthetic(device, dtype, generator):
     return params, grads
 
 
+def _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator) -> None:
+    """Give the probe's copies state shaped like the real group's, when it already has some.
+
+    Some optimizers create their state in ``__init__`` and never lazily in ``step`` (torch's
+    Adagrad before 2.12 creates ``sum`` there), and a state loaded before fusing has values
+    the step builds on. Parameter-shaped entries become synthetic tensors of the probe's
+    shapes (a constant stays that constant, anything else gets random values of the same sign
+    and scale), the flat copy gets their concatenation; other entries are copied as they are.
+    """
+    with_state = [p for p in group["params"] if optimizer.state.get(p)]
+    if not with_state:
+        return
+    largest = max(with_state, key=lambda p: p.numel())  # its shape tells parameter-shaped state apart
+    template, real_shape = optimizer.state[largest], largest.shape
+    per_param: List[Dict[str, Any]] = [{} for _ in per_tensor]
+    flat_state: Dict[str, Any] = {}
+    for key, value in template.items():
+        if isinstance(value, torch.Tensor) and value.shape == real_shape:
+            data = value.detach().double()
+            pieces = []
+            for p in per_tensor:
+                if bool((data == data.reshape(-1)[0]).all()):
+                    piece = torch.full(p.shape, float(data.reshape(-1)[0]), dtype=torch.float64)
+                else:
+                    piece = torch.rand(p.shape, generator=generator, dtype=torch.float64) * float(data.abs().max())
+                    if bool((data < 0).any()):
+                        piece = piece * torch.randn(p.shape, generator=generator, dtype=torch.float64).sign()
+                pieces.append(piece.to(device=p.device, dtype=value.dtype))
+            for state, piece in zip(per_param, pieces):
+                state[key] = piece
+            flat_state[key] = torch.cat([piece.reshape(-1) for piece in pieces])
+        else:
+            for state in per_param:
+                state[key] = copy.deepcopy(value)
+            flat_state[key] = copy.deepcopy(value)
+    for p, state in zip(per_tensor, per_param):
+        opt_a.state[p] = state
+    opt_b.state[flat] = flat_state
+
+
 def _mismatch(name: str, per_tensor: torch.Tensor, flat: torch.Tensor) -> Optional[str]:
     if per_tensor.shape != flat.shape:
         return f"{name} has shape {tuple(flat.shape)} on the flat tensor, not {tuple(per_tensor.shape)}"
@@ -114,6 +154,7 @@ def probe_elementwise(
         opt_b = _probe_clone(optimizer, group, [flat])
     except ProbeCopyError as exc:
         return f"it cannot be copied to be probed on synthetic tensors ({exc})"
+    _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator)
     step = type(optimizer).step
     watched = [(t, tensor_version(t)) for t in _user_tensors(optimizer)]
     try:

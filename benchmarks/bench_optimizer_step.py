@@ -5,24 +5,35 @@ Compile time is measured separately and kept out of the step times.
 
     python benchmarks/bench_optimizer_step.py                 # BERT-base shapes (201 tensors, 109.5 M)
     python benchmarks/bench_optimizer_step.py --model small   # a quick look (~11 M parameters)
+    python benchmarks/bench_optimizer_step.py --device cuda --dtype bf16   # on the GPU, bf16 params
+
+On CUDA each step is timed with CUDA events (median of --repeats, default 50), the host time of
+issuing a step is reported too ("host ms": the Python/launch cost, measured without
+synchronizing), and the bandwidth reference is a device-to-device copy. Two rows exist only
+on CUDA: BertAdam with its default per-tensor clipping (max_grad_norm=1.0, which fuse_optimizer
+refuses) and torch's AdamW with ``torch.compile(opt.step)``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import time
 import warnings
+from importlib import metadata
 
 import torch
 
 from bagua_integrations import fuse_optimizer, fusion_report
 from bagua_integrations.optim import BertAdam
-from recipes.bert_benchmark.results import hardware
 
 BYTES_PER_PARAM_ADAM = 28  # read p, g, m, v (16 B) + write p, m, v (12 B), fp32
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CUDA_COPY_MIB = 512  # each of the two buffers of the device-to-device copy
 
 
 def bert_shapes(vocab=30522, hidden=768, layers=12, intermediate=3072, positions=512, labels=2):
@@ -42,20 +53,24 @@ MODELS = {
 }
 
 
-def make_params(shapes, seed=0):
+def make_params(shapes, seed=0, device="cpu", dtype=torch.float32):
+    """Seeded random parameters and gradients (drawn on CPU in fp32, then moved to ``device``/``dtype``)."""
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device, dtype)) for s in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(device, dtype)
     return params
 
 
-def rows(shapes):
+def rows(shapes, device="cpu", dtype=torch.float32):
     """(name, builder) pairs; each builder returns a zero-argument step function and the optimizer."""
 
-    def bert_adam(fuse=None):
+    def params():
+        return make_params(shapes, device=device, dtype=dtype)
+
+    def bert_adam(fuse=None, max_grad_norm=-1.0):
         def build():
-            opt = BertAdam(make_params(shapes), lr=1e-4, max_grad_norm=-1.0, weight_decay=0.01)
+            opt = BertAdam(params(), lr=1e-4, max_grad_norm=max_grad_norm, weight_decay=0.01)
             if fuse is None:
                 return opt.step, opt
             fuse_optimizer(opt, compile=fuse)
@@ -64,14 +79,20 @@ def rows(shapes):
 
     def adamw(fuse=None, **kwargs):
         def build():
-            opt = torch.optim.AdamW(make_params(shapes), lr=1e-4, weight_decay=0.01, **kwargs)
+            opt = torch.optim.AdamW(params(), lr=1e-4, weight_decay=0.01, **kwargs)
             if fuse is None:
                 return opt.step, opt
             fuse_optimizer(opt, compile=fuse)
             return opt.fuse_step, opt
         return build
 
-    return [
+    def adamw_torch_compile():
+        def build():
+            opt = torch.optim.AdamW(params(), lr=1e-4, weight_decay=0.01)
+            return torch.compile(opt.step), opt  # compiles on the first call (in the warm-up)
+        return build
+
+    out = [
         ("BertAdam per-tensor (seed baseline)", bert_adam()),
         ("BertAdam fused, eager", bert_adam(fuse=False)),
         ("BertAdam fused, compiled", bert_adam(fuse=True)),
@@ -80,6 +101,10 @@ def rows(shapes):
         ("torch AdamW fused=True", adamw(fused=True)),
         ("torch AdamW fused, compiled", adamw(fuse=True)),
     ]
+    if device == "cuda":
+        out.insert(1, ("BertAdam per-tensor, max_grad_norm=1.0 (seed default)", bert_adam(max_grad_norm=1.0)))
+        out.append(("torch.compile(AdamW.step)", adamw_torch_compile()))
+    return out
 
 
 def copy_bandwidth(numel: int, repeats: int = 5) -> float:
@@ -91,62 +116,203 @@ def copy_bandwidth(numel: int, repeats: int = 5) -> float:
     return max(8 * numel / copy, 12 * numel / triad)
 
 
+def cuda_copy_bandwidth(mib: int = CUDA_COPY_MIB, repeats: int = 20) -> float:
+    """Bytes per second of ``dst.copy_(src)`` between two ``mib`` MiB fp32 device buffers
+    (bytes read + written), median of ``repeats`` event-timed copies after a warm-up."""
+    numel = mib * 2**20 // 4
+    src = torch.randn(numel, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = statistics.median(_timed_cuda(lambda: dst.copy_(src))[0] for _ in range(repeats))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * numel * 4 / seconds
+
+
 def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
 
 
-def hardware_line() -> str:
+def _timed_cuda(fn):
+    """(device seconds, host seconds) of one call: CUDA events around it, after a synchronize.
+
+    The host time is the perf_counter time of issuing the call, without waiting for the GPU.
+    """
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    started = time.perf_counter()
+    fn()
+    host = time.perf_counter() - started
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, host
+
+
+def adam_bytes_per_param(opt):
+    """Bytes one Adam-like step moves per parameter: read p, g, m, v and write p, m, v, from
+    the element sizes of an actual parameter, its gradient and its two moment tensors."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            moments = [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.shape == p.shape]
+            if p.grad is not None and len(moments) >= 2:
+                m, v = moments[:2]
+                return 2 * p.element_size() + p.grad.element_size() + 2 * m.element_size() + 2 * v.element_size()
+    return None
+
+
+def hardware():
+    """This machine, for the header and the JSON (benchmarks do not import recipes)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "gpu": None,
+    }
+    try:
+        info["load_average_1m"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        info["cuda"] = torch.version.cuda
+    for name, dists in (("transformers", ("transformers",)), ("accelerate", ("accelerate",)),
+                        ("fairseq", ("fairseq-fixed", "fairseq")), ("triton", ("triton",))):
+        for dist in dists:
+            try:
+                info[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return info
+
+
+def hardware_line(device="cpu") -> str:
     hw = hardware()
+    if device == "cuda":
+        return (f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}, triton {hw.get('triton', 'not installed')}), "
+                f"torch {hw['torch']}, Python {hw['python']}; host {hw['cpu']}, {hw['cpu_cores']} cores, "
+                f"load average {hw.get('load_average_1m', '?')}")
     return f"{hw['cpu']}, {hw['cpu_cores']} cores, {hw['torch_threads']} torch threads, torch {hw['torch']}, Python {hw['python']}, load average {hw.get('load_average_1m', '?')}"
+
+
+def _reason(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="bert-base")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per row (median reported)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameters, gradients and state")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per row (median reported); default 5 on cpu, 50 on cuda")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    repeats = args.repeats if args.repeats is not None else (50 if cuda else 5)
+    dtype = DTYPES[args.dtype]
 
     shapes = MODELS[args.model]
     numel = sum(torch.Size(s).numel() for s in shapes)
-    print(f"# One optimizer step, {args.model} shapes: {len(shapes)} tensors, {numel / 1e6:.1f} M parameters, fp32")
-    print(f"# hardware: {hardware_line()}")
-    built = []
-    for name, build in rows(shapes):
-        step, opt = build()
+    print(f"# One optimizer step, {args.model} shapes: {len(shapes)} tensors, {numel / 1e6:.1f} M parameters, {args.dtype}"
+          + (", cuda" if cuda else ""))
+    print(f"# hardware: {hardware_line(args.device)}")
+    if cuda:  # measured first, while the device memory is still free
+        bandwidth = cuda_copy_bandwidth()
+        print(f"# device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (2 x {CUDA_COPY_MIB} MiB fp32, dst.copy_(src), read + write)")
+    built, failed = [], []
+    for name, build in rows(shapes, args.device, dtype):
         started = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for _ in range(3):  # state creation, compilation, one warm step
-                step()
+        try:
+            step, opt = build()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(3):  # state creation, compilation, one warm step
+                    step()
+            if cuda:
+                torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a row that cannot run is reported, not fatal
+            failed.append((name, _reason(exc)))
+            print(f"#   {name} failed in the warm-up: {_reason(exc)}", flush=True)
+            continue
         setup = time.perf_counter() - started
         report = fusion_report(opt) if hasattr(opt, "fuse_step") else None
-        built.append((name, step, report, setup))
-        print(f"#   warmed up {name} in {setup:.1f} s" + (f" (compile {report.compile_seconds:.1f} s)" if report and report.compiled else ""), flush=True)
+        built.append((name, step, report, setup, opt))
+        note = f" (compile {report.compile_seconds:.1f} s)" if report and report.compiled else ""
+        if name.startswith("torch.compile("):
+            note = " (including torch.compile)"
+        print(f"#   warmed up {name} in {setup:.1f} s{note}", flush=True)
     times = {name: [] for name, *_ in built}
-    for _ in range(args.repeats):
-        for name, step, _, _ in built:
-            times[name].append(_timed(step))
-    bandwidth = copy_bandwidth(min(numel, 50_000_000))
-    bound_ms = BYTES_PER_PARAM_ADAM * numel / bandwidth * 1e3
+    host = {name: [] for name, *_ in built}
+    for _ in range(repeats):
+        for name, step, *_ in built:
+            if cuda:
+                seconds, issued = _timed_cuda(step)
+                times[name].append(seconds)
+                host[name].append(issued)
+            else:
+                times[name].append(_timed(step))
+    bytes_per_param = next((b for b in (adam_bytes_per_param(opt) for *_, opt in built) if b), 7 * dtype.itemsize)
+    if not cuda:
+        bandwidth = copy_bandwidth(min(numel, 50_000_000))
+    bound_ms = bytes_per_param * numel / bandwidth * 1e3
 
     median = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-    base, fused_torch = median[built[0][0]], median["torch AdamW fused=True"]
+    host_ms = {name: statistics.median(ts) * 1e3 for name, ts in host.items() if ts}
+    base = median.get("BertAdam per-tensor (seed baseline)")
+    fused_torch = median.get("torch AdamW fused=True")
     print()
-    print("| optimizer step | ms / step | vs BertAdam per-tensor | vs torch AdamW fused=True | effective GB/s (28 B/param) | fused tensors / flat runs |")
-    print("|---|---:|---:|---:|---:|---|")
+    if cuda:
+        print(f"| optimizer step | ms / step | host ms | vs BertAdam per-tensor | vs torch AdamW fused=True | effective GB/s ({bytes_per_param} B/param) | % of copy bandwidth | fused tensors / flat runs |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
+    else:
+        print(f"| optimizer step | ms / step | vs BertAdam per-tensor | vs torch AdamW fused=True | effective GB/s ({bytes_per_param} B/param) | fused tensors / flat runs |")
+        print("|---|---:|---:|---:|---:|---|")
     results = []
-    for name, _, report, setup in built:
+    for name, _, report, setup, _ in built:
         fused = f"{report.fused_params} / {report.flat_runs}" + (" (compiled)" if report.compiled else "") if report else "-"
-        gbps = BYTES_PER_PARAM_ADAM * numel / median[name] / 1e6
-        print(f"| {name} | {median[name]:.1f} | {base / median[name]:.2f}x faster | {median[name] / fused_torch:.2f}x time | {gbps:.1f} | {fused} |")
-        results.append(dict(row=name, ms=median[name], speedup_vs_per_tensor=base / median[name], time_vs_torch_fused=median[name] / fused_torch, warmup_s=setup))
-    print(f"| memory-bound estimate (28 B/param at {bandwidth / 1e9:.1f} GB/s, best of copy/triad) | {bound_ms:.1f} | | {bound_ms / fused_torch:.2f}x time | {bandwidth / 1e9:.1f} | |")
+        ms = median[name]
+        gbps = bytes_per_param * numel / ms / 1e6
+        vs_base = f"{base / ms:.2f}x faster" if base else "-"
+        vs_torch = f"{ms / fused_torch:.2f}x time" if fused_torch else "-"
+        row = dict(row=name, ms=ms, speedup_vs_per_tensor=base / ms if base else None,
+                   time_vs_torch_fused=ms / fused_torch if fused_torch else None, warmup_s=setup)
+        if cuda:
+            share = gbps * 1e9 / bandwidth * 100
+            print(f"| {name} | {ms:.2f} | {host_ms[name]:.2f} | {vs_base} | {vs_torch} | {gbps:.1f} | {share:.0f}% | {fused} |")
+            row.update(host_ms=host_ms[name], effective_gbps=gbps, pct_of_copy_bandwidth=share,
+                       compile_s=report.compile_seconds if report else None)
+        else:
+            print(f"| {name} | {ms:.1f} | {vs_base} | {vs_torch} | {gbps:.1f} | {fused} |")
+        results.append(row)
+    for name, reason in failed:
+        print(f"| {name} | failed: {reason} |" + " |" * (6 if cuda else 4))
+        results.append(dict(row=name, failed=reason))
+    vs_bound = f"{bound_ms / fused_torch:.2f}x time" if fused_torch else ""
+    if cuda:
+        print(f"| memory-bound estimate ({bytes_per_param} B/param at {bandwidth / 1e9:.0f} GB/s, device copy) | {bound_ms:.2f} | | | {vs_bound} | {bandwidth / 1e9:.0f} | 100% | |")
+    else:
+        print(f"| memory-bound estimate ({bytes_per_param} B/param at {bandwidth / 1e9:.1f} GB/s, best of copy/triad) | {bound_ms:.1f} | | {vs_bound} | {bandwidth / 1e9:.1f} | |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(model=args.model, params=numel, tensors=len(shapes), hardware=hardware(), bound_ms=bound_ms, rows=results), f, indent=2)
+            json.dump(dict(model=args.model, params=numel, tensors=len(shapes), hardware=hardware(), bound_ms=bound_ms, rows=results,
+                           device=args.device, dtype=args.dtype, repeats=repeats, bytes_per_param=bytes_per_param,
+                           bandwidth_gbps=bandwidth / 1e9), f, indent=2)
     return results
 
 

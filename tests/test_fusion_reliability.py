@@ -160,3 +160,35 @@ def test_the_probe_refuses_an_optimizer_it_cannot_copy_with_a_named_error():
 
     with pytest.raises(FusionError, match="cannot be copied"):
         fuse_optimizer(Locked(_model().parameters(), lr=0.1))
+
+
+class EagerStateAdagrad(torch.optim.Optimizer):
+    """Adagrad as torch < 2.12 writes it: ``sum`` is created in ``__init__``, never in ``step``."""
+
+    def __init__(self, params, lr=0.1, initial_accumulator_value=0.5):
+        super().__init__(params, dict(lr=lr))
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sum"] = torch.full_like(p, initial_accumulator_value)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    total = self.state[p]["sum"]  # KeyError if the state was not created up front
+                    total.addcmul_(p.grad, p.grad)
+                    p.addcdiv_(p.grad, total.sqrt().add_(1e-10), value=-group["lr"])
+
+
+def test_optimizer_whose_state_exists_before_the_first_step_is_probed_and_fused():
+    """Seen on torch 2.11's Adagrad on an H100: the probe's state-less copies raised KeyError('sum')."""
+    batches = _batches(6)
+    reference, fused_model = _model(), _model()
+    _train(reference, EagerStateAdagrad(reference.parameters()), batches, fused=False)
+    fused = fuse_optimizer(EagerStateAdagrad(fused_model.parameters()), compile=False)
+    assert fusion_report(fused).fused_params == 4
+    _train(fused_model, fused, batches, fused=True)
+    assert fusion_report(fused).last_step_fused
+    for a, b in zip(reference.parameters(), fused_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
