@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ._flat import FlatBuffer, Slot
-from ._probe import probe_elementwise
+from ._probe import probe_elementwise, probe_segmented
+from ._segmented import MAX_RANK
 from .errors import FusionFallbackWarning, NotElementwiseError
 
 ON_UNSUPPORTED = ("raise", "fallback")
@@ -95,6 +96,16 @@ class GroupLayout:
         self.param_ids = tuple(id(p) for p in params)
         self.buffers: List[FlatBuffer] = []
         self.per_tensor: List[torch.Tensor] = []
+        # True when the group's step is elementwise except for whole-parameter reductions
+        # (_segmented.py): its runs hold parameters of one rank and reduce per parameter.
+        self.segmented = False
+
+    @property
+    def path(self) -> str:
+        """How the group is stepped: "elementwise", "segmented" or "per-tensor"."""
+        if not self.buffers:
+            return "per-tensor"
+        return "segmented" if self.segmented else "elementwise"
 
     def slots(self):
         for buffer in self.buffers:
@@ -144,13 +155,22 @@ class FlatLayout:
         name = names[i] if names and i < len(names) else f"param_groups[{index}]['params'][{i}]"
         return f"{name} {tuple(p.shape)}"
 
-    def _probe(self, group, device) -> Optional[str]:
-        """Why ``group``'s update is not elementwise on ``device`` (None: it is); cached per settings."""
+    def _probe(self, group, device) -> Tuple[Optional[str], bool]:
+        """``(why not, segmented)``: why ``group``'s update cannot be fused on ``device`` (None: it
+        can), and whether it takes the segmented path. Cached per group settings."""
         if self.config.assume_elementwise:
-            return None
+            return None, False
         key = (repr(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names"))), device)
         if key not in self._probe_cache:
-            self._probe_cache[key] = probe_elementwise(self.optimizer, group, device)
+            reason = probe_elementwise(self.optimizer, group, device)
+            segmented = False
+            if reason is not None:
+                why_not = probe_segmented(self.optimizer, group, device)
+                if why_not is None:
+                    reason, segmented = None, True
+                else:
+                    reason = f"{reason}; with per-parameter reductions: {why_not}"
+            self._probe_cache[key] = (reason, segmented)
         return self._probe_cache[key]
 
     def _unfusable_reason(self, p: torch.Tensor, tied: set) -> Optional[str]:
@@ -178,13 +198,26 @@ class FlatLayout:
             else:
                 by_key.setdefault((p.device, p.dtype), []).append(p)
         for (device, _), members in by_key.items():
-            reason = self._probe(group, device)
+            reason, segmented = self._probe(group, device)
+            if segmented:
+                ranked = [p for p in members if 1 <= p.dim() <= MAX_RANK]
+                if len(ranked) < len(members):
+                    rankless = [p for p in members if not 1 <= p.dim() <= MAX_RANK]
+                    for p in rankless:
+                        self.reasons[self._param_name(group, index, group["params"].index(p), p)] = (
+                            f"its step reduces per parameter and a {p.dim()}-D parameter is stepped on its own"
+                        )
+                    layout.per_tensor.extend(rankless)
+                    members = ranked
+                if not members:
+                    continue
+                layout.segmented = True
             if reason is None and not self.config.do_flatten and not FlatBuffer.adoptable(members):
                 reason = "do_flatten=False and its parameters are not already contiguous in memory"
             if reason is not None:
                 self._keep_per_tensor(index, group, members, reason)
                 continue
-            layout.buffers.append(self._flat_buffer(members))
+            layout.buffers.append(self._flat_buffer(members, by_rank=segmented))
 
     def _keep_per_tensor(self, index, group, members, reason: str) -> None:
         cls = type(self.optimizer).__name__
@@ -204,10 +237,11 @@ class FlatLayout:
                 self.reasons[self._param_name(group, index, i, p)] = reason
         self.groups[index].per_tensor.extend(members)
 
-    def _flat_buffer(self, members: List[torch.Tensor]) -> FlatBuffer:
+    def _flat_buffer(self, members: List[torch.Tensor], by_rank: bool = False) -> FlatBuffer:
         if self.config.do_flatten:
-            # Trainable parameters first: frozen ones never get gradients and would split runs.
-            members = [p for p in members if p.requires_grad] + [p for p in members if not p.requires_grad]
+            # Trainable parameters first: frozen ones never get gradients and would split runs;
+            # segmented runs hold one rank, so parameters of equal rank sit together.
+            members = sorted(members, key=lambda p: (not p.requires_grad, p.dim() if by_rank else 0))
         buffer = FlatBuffer(members, flatten=self.config.do_flatten)
         for slot in buffer.slots:
             if slot.param.requires_grad:

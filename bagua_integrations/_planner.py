@@ -21,17 +21,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ._flat import FlatBuffer, Slot
 from ._layout import FlatLayout
+from ._segmented import Segmentation, run_shape
 from .errors import FusionError
 
 # A slot's token when its state cannot be flattened (a tensor not shaped like the parameter,
 # an unhashable value): it never joins a run.
 UNFUSABLE_STATE = object()
+# A slot of a segmented group before its first step: the optimizer creates its state lazily,
+# shaped per parameter, so that step runs per tensor (no warning).
+FIRST_STEP = object()
 
 
 @dataclass
@@ -43,6 +47,9 @@ class Run:
     last: int
     proxy: torch.nn.Parameter
     state: Dict[str, Any] = field(default_factory=dict)  # the proxy's state for this step
+    # segmented runs: the segments, and the per-parameter scalar state keys with their shapes
+    segmentation: Optional[Segmentation] = None
+    scalar_keys: Dict[str, torch.Size] = field(default_factory=dict)
 
     @property
     def slots(self) -> List[Slot]:
@@ -64,16 +71,47 @@ class StepPlan:
     group_params: List[List[torch.Tensor]]  # per param group: proxies and per-tensor parameters
     runs: List[Run]
     per_tensor: List[torch.Tensor]  # real parameters among group_params
+    # Segmented runs go in calls of their own when two of them could be told apart only by
+    # their place in the step (equal length or equal segment count): per call, the params per
+    # group and the segmentations. Usually one call.
+    segmented_calls: List[Tuple[List[List[torch.Tensor]], List[Segmentation]]] = field(default_factory=list)
 
     def swapped_state(self, state) -> Dict[torch.Tensor, Dict[str, Any]]:
         """The state dict the optimizer sees during the step: run state per proxy, real state per tensor."""
         swapped: Dict[torch.Tensor, Dict[str, Any]] = defaultdict(dict)  # the optimizer creates state lazily
+        for key, value in state.items():  # optimizer-level state (e.g. state["k"]), not keyed by a tensor
+            if not isinstance(key, torch.Tensor):
+                swapped[key] = value
         for run in self.runs:
             swapped[run.proxy] = run.state
         for p in self.per_tensor:
             if p in state:
                 swapped[p] = state[p]
         return swapped
+
+
+def _segmented_signature(state: Dict[str, Any], param: torch.Tensor):
+    """The signature of a segmented group's slot: scalar *tensors* may differ per parameter
+    (they are stacked, one value per segment); a run holds one rank."""
+    if not state:
+        return FIRST_STEP
+    tensors, per_segment, scalars = [], [], []
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            if value.shape == param.shape and param.numel() > 1:
+                tensors.append((key, value.dtype))
+            elif value.numel() == 1:
+                per_segment.append((key, tuple(value.shape), value.dtype, value.device))
+            else:
+                return None
+        else:
+            try:
+                hash(value)
+            except TypeError:
+                return None
+            scalars.append((key, value))
+    return ("segmented", param.dim(), tuple(sorted(tensors, key=repr)), tuple(sorted(per_segment, key=repr)),
+            tuple(sorted(scalars, key=repr)))
 
 
 def _state_signature(state: Dict[str, Any], param: torch.Tensor):
@@ -102,6 +140,7 @@ class StepPlanner:
         self.optimizer = optimizer
         self.layout = layout
         self.tokens_stale = True
+        self._shaped: Dict[Tuple[int, int, int, str], torch.Tensor] = {}  # rank-shaped views, reused
 
     def invalidate(self) -> None:
         """Something other than a fused step may have changed scalar state: recompute tokens."""
@@ -111,9 +150,13 @@ class StepPlanner:
         state = self.optimizer.state
         tokens: Dict[Any, object] = {}
         for group in self.layout.groups.values():
+            signature_of = _segmented_signature if group.segmented else _state_signature
             for slot in group.slots():
-                signature = _state_signature(state.get(slot.param, {}), slot.param)
-                slot.token = UNFUSABLE_STATE if signature is None else tokens.setdefault(signature, object())
+                signature = signature_of(state.get(slot.param, {}), slot.param)
+                if signature is None or signature is FIRST_STEP:
+                    slot.token = UNFUSABLE_STATE if signature is None else FIRST_STEP
+                else:
+                    slot.token = tokens.setdefault(signature, object())
         self.tokens_stale = False
 
     # ------------------------------------------------------------------ planning
@@ -124,19 +167,35 @@ class StepPlanner:
         if self.tokens_stale:
             self._retoken()
         plan = StepPlan([], [], [])
-        for index in range(len(self.optimizer.param_groups)):
+        groups = len(self.optimizer.param_groups)
+        for index in range(groups):
             group = self.layout.groups[index]
             params: List[torch.Tensor] = list(group.per_tensor)
             plan.per_tensor.extend(group.per_tensor)
             for buffer in group.buffers:
-                for first, last in self._runs(buffer, run_cap, params, plan.per_tensor):
-                    run = self._make_run(buffer, first, last)
+                for first, last in self._runs(buffer, run_cap, params, plan.per_tensor, group.segmented):
+                    run = self._make_run(buffer, first, last, group.segmented)
                     plan.runs.append(run)
-                    params.append(run.proxy)
+                    if run.segmentation is None:
+                        params.append(run.proxy)
+                    else:
+                        self._add_segmented_call(plan, groups, index, run)
             plan.group_params.append(params)
         return plan
 
-    def _runs(self, buffer: FlatBuffer, run_cap: float, params, per_tensor) -> Iterator[Tuple[int, int]]:
+    @staticmethod
+    def _add_segmented_call(plan: StepPlan, groups: int, index: int, run: Run) -> None:
+        seg = run.segmentation
+        for params, segs in plan.segmented_calls:
+            if all(s.shape != seg.shape and s.segments != seg.segments for s in segs):
+                break
+        else:
+            params, segs = [[] for _ in range(groups)], []
+            plan.segmented_calls.append((params, segs))
+        params[index].append(run.proxy)
+        segs.append(seg)
+
+    def _runs(self, buffer: FlatBuffer, run_cap: float, params, per_tensor, by_rank: bool = False) -> Iterator[Tuple[int, int]]:
         """The runs of ``buffer`` as ``(first, last)`` slot ranges; slots that must be stepped
         per tensor this step are appended to ``params`` and ``per_tensor`` on the way."""
         slots = buffer.slots
@@ -147,7 +206,8 @@ class StepPlanner:
                     yield first, i
                     first = None
                 continue
-            if first is not None and (slot.token is not slots[first].token or slot.end - slots[first].start > run_cap):
+            if first is not None and (slot.token is not slots[first].token or slot.end - slots[first].start > run_cap
+                                      or (by_rank and slot.param.dim() != slots[first].param.dim())):
                 yield first, i
                 first = None
             if first is None:
@@ -158,9 +218,13 @@ class StepPlanner:
     def _joins_a_run(self, buffer: FlatBuffer, slot: Slot, params, per_tensor) -> bool:
         """Put the slot's parameter and gradient back in place; False if it is not in a run this step."""
         buffer.sync_param(slot)
-        if buffer.sync_grad(slot) and slot.token is not UNFUSABLE_STATE:
+        if buffer.sync_grad(slot) and slot.token is not UNFUSABLE_STATE and slot.token is not FIRST_STEP:
             return True
-        if slot.param.grad is not None:  # sparse gradient, or state not shaped like the parameter
+        if slot.param.grad is not None and slot.token is FIRST_STEP:  # lazy state: created per tensor
+            params.append(slot.param)
+            per_tensor.append(slot.param)
+            self.tokens_stale = True
+        elif slot.param.grad is not None:  # sparse gradient, or state not shaped like the parameter
             self.layout.warn_once(
                 f"per-tensor{id(slot)}",
                 f"a fused parameter of shape {tuple(slot.param.shape)} is updated unfused this step "
@@ -172,7 +236,47 @@ class StepPlanner:
             self.tokens_stale = True
         return False
 
-    def _make_run(self, buffer: FlatBuffer, first: int, last: int) -> Run:
+    def _shaped_view(self, buffer: FlatBuffer, tensor: torch.Tensor, start: int, what: str, shape) -> torch.Tensor:
+        """``tensor`` viewed as ``shape``; the same object while it is the same memory (compilers guard on it)."""
+        key = (id(buffer), start, tensor.numel(), what)
+        view = self._shaped.get(key)
+        if view is None or view.data_ptr() != tensor.data_ptr() or view.dtype != tensor.dtype:
+            view = tensor.view(shape)
+            self._shaped[key] = view
+        return view
+
+    def _make_segmented_run(self, buffer: FlatBuffer, first: int, last: int) -> Run:
+        state = self.optimizer.state
+        flat_proxy = buffer.proxy(first, last)
+        slots = buffer.slots[first:last]
+        start = slots[0].start
+        shape = run_shape(slots[0].param.dim(), flat_proxy.numel())
+        key = (id(buffer), start, flat_proxy.numel(), "proxy")
+        proxy = self._shaped.get(key)
+        if proxy is None or proxy.data_ptr() != flat_proxy.data_ptr():
+            proxy = torch.nn.Parameter(flat_proxy.detach().view(shape), requires_grad=True)
+            self._shaped[key] = proxy
+        proxy.grad = flat_proxy.grad.view(shape)
+        pieces = [(slot.start - start, slot.end - start, slot.param.shape) for slot in slots]
+        run = Run(buffer, first, last, proxy, segmentation=Segmentation(shape, pieces))
+        for key, value in state.get(slots[0].param, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == slots[0].param.shape and value.numel() > 1:
+                for slot in run.slots:
+                    per_param = state[slot.param]
+                    per_param[key] = buffer.sync_state(key, slot, per_param[key])
+                flat = buffer.state_slice(key, run.start, run.end)
+                run.state[key] = self._shaped_view(buffer, flat, start, key, shape)
+            elif isinstance(value, torch.Tensor):  # one value per parameter
+                run.scalar_keys[key] = value.shape
+                values = [state[slot.param][key].reshape(()) for slot in run.slots]
+                run.state[key] = torch.stack(values).reshape(run.segmentation.scalar_shape)
+            else:
+                run.state[key] = value
+        return run
+
+    def _make_run(self, buffer: FlatBuffer, first: int, last: int, segmented: bool = False) -> Run:
+        if segmented:
+            return self._make_segmented_run(buffer, first, last)
         state = self.optimizer.state
         run = Run(buffer, first, last, buffer.proxy(first, last))
         for key, value in state.get(buffer.slots[first].param, {}).items():
@@ -189,6 +293,9 @@ class StepPlanner:
     def write_back(self, plan: StepPlan, swapped_state) -> None:
         """Map the state the optimizer produced for each proxy back onto every parameter's state."""
         state = self.optimizer.state
+        for key, value in swapped_state.items():
+            if not isinstance(key, torch.Tensor):
+                state[key] = value
         for p in plan.per_tensor:
             if p in swapped_state:
                 state[p] = swapped_state[p]
@@ -196,15 +303,33 @@ class StepPlanner:
             new_state = swapped_state.get(run.proxy, {})
             token = object()  # the run's slots were advanced together
             for key, value in new_state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                seg = run.segmentation
+                if seg is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == seg.scalar_shape:
+                    self._write_per_segment_state(run, key, value)
+                elif seg is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == seg.shape:
+                    self._write_flat_state(run, key, value.reshape(-1))
+                elif seg is None and isinstance(value, torch.Tensor) and value.dim() > 0:
                     self._write_flat_state(run, key, value)
                 else:
                     self._write_scalar_state(run, key, value)
             for slot in run.slots:
                 slot.token = token
 
+    def _write_per_segment_state(self, run: Run, key: str, value: torch.Tensor) -> None:
+        state = self.optimizer.state
+        shape = run.scalar_keys.get(key, torch.Size(()))
+        values = value.reshape(-1)
+        for i, slot in enumerate(run.slots):
+            per_param = state[slot.param]
+            current = per_param.get(key)
+            new = values[i].reshape(shape)
+            if isinstance(current, torch.Tensor) and current.shape == shape and current.dtype == new.dtype:
+                current.copy_(new)
+            else:
+                per_param[key] = new.clone()
+
     def _write_flat_state(self, run: Run, key: str, value: torch.Tensor) -> None:
-        if value.shape != run.proxy.shape:
+        if value.numel() != run.end - run.start or value.dim() != 1:
             raise FusionError(
                 f"{type(self.optimizer).__name__} created state '{key}' of shape {tuple(value.shape)} "
                 f"for a flat tensor of shape {tuple(run.proxy.shape)}; its update is not elementwise. "

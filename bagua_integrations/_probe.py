@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict, defaultdict
+from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from ._segmented import Segmentation, SegmentedMode, run_shape, segment_views
 from ._torch_compat import tensor_version
 from .errors import FusionError
 
 # Shapes mix 1-D and N-D tensors (to catch "no weight decay on biases"-style rules);
 # parameter and gradient scales span many decades (to catch norms, clipping and eps effects).
-_PROBE_SHAPES = [(4, 6), (9,), (2, 3, 5), (1,), (7, 3)]
-_PARAM_SCALES = [1e-3, 1.0, 1e2, 1e-1, 30.0]
-_GRAD_SCALES = [1e-4, 10.0, 1e-2, 1e3, 0.3]
+# Grouped by rank (the segmented probe's runs) they give runs of distinct lengths and counts.
+_PROBE_SHAPES = [(4, 6), (9,), (2, 3, 5), (1,), (7, 3), (5,)]
+_PARAM_SCALES = [1e-3, 1.0, 1e2, 1e-1, 30.0, 3e-2]
+_GRAD_SCALES = [1e-4, 10.0, 1e-2, 1e3, 0.3, 2.0]
+_PADDING = 3  # elements of alignment padding after each parameter in the segmented probe's runs
 _PROBE_STEPS = 3
 _RTOL = 1e-5
 
@@ -156,25 +160,39 @@ def probe_elementwise(
         return f"it cannot be copied to be probed on synthetic tensors ({exc})"
     _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator)
     step = type(optimizer).step
+    with _untouched(optimizer):
+        try:
+            for step_grads in grads:
+                for p, g in zip(per_tensor, step_grads):
+                    p.grad = g.clone()
+                flat.grad = torch.cat([g.reshape(-1) for g in step_grads])
+                step(opt_a)
+                step(opt_b)
+        except Exception as exc:  # the probe reports; the caller decides whether to raise
+            return f"its step raised {type(exc).__name__} on synthetic tensors ({exc})"
+    try:
+        return _compare_flat(opt_a, per_tensor, opt_b, flat)
+    except Exception as exc:  # state the comparison cannot read (e.g. dicts of tensors)
+        return f"its state cannot be compared per tensor and flat ({type(exc).__name__}: {exc})"
+
+
+@contextmanager
+def _untouched(optimizer):
+    """A safety net: fail loudly if probing changed any of the optimizer's real tensors."""
     watched = [(t, tensor_version(t)) for t in _user_tensors(optimizer)]
     try:
-        for step_grads in grads:
-            for p, g in zip(per_tensor, step_grads):
-                p.grad = g.clone()
-            flat.grad = torch.cat([g.reshape(-1) for g in step_grads])
-            step(opt_a)
-            step(opt_b)
-    except Exception as exc:  # the probe reports; the caller decides whether to raise
-        return f"its step raised {type(exc).__name__} on synthetic tensors ({exc})"
+        yield
     finally:
         touched = [t for t, version in watched if tensor_version(t) != version]
-        if touched:  # a safety net: the deep copy above should make this impossible
+        if touched:  # the deep copy in _probe_clone should make this impossible
             raise FusionError(
                 f"probing {type(optimizer).__name__} modified {len(touched)} of its real tensors (its step "
                 "reaches them through something the probe could not copy); fuse_optimizer cannot check "
                 "it safely. Fuse it with assume_elementwise=True only if you know its update is elementwise."
             )
 
+
+def _compare_flat(opt_a, per_tensor, opt_b, flat) -> Optional[str]:
     with torch.no_grad():
         reason = _mismatch("the parameter update", torch.cat([p.reshape(-1) for p in per_tensor]), flat)
         if reason:
@@ -198,4 +216,132 @@ def probe_elementwise(
                 others = [v.item() if isinstance(v, torch.Tensor) else v for v in pieces]
                 if any(o != scalar for o in others):
                     return f"its scalar state '{key}' differs per tensor ({others}) and flat ({scalar})"
+    return None
+
+
+def probe_segmented(
+    optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device
+) -> Optional[str]:
+    """Return ``None`` if ``optimizer``'s step is exact on segmented runs (``_segmented.py``), else why not.
+
+    The same synthetic tensors as :func:`probe_elementwise`, grouped into one run per rank with
+    padding between parameters, as the fused step lays them out. The first step runs per
+    parameter on views of the runs (optimizers create their state lazily, per parameter), the
+    later ones on the runs under :class:`SegmentedMode`; parameters and state must equal the
+    per-tensor optimizer's.
+    """
+    generator = torch.Generator().manual_seed(1234)
+    init, grads = _synthetic(device, torch.float32, generator)
+    per_tensor = [torch.nn.Parameter(t.clone()) for t in init]
+    runs = []  # (proxy, segmentation, indices into the synthetic tensors)
+    for rank in sorted({t.dim() for t in init}):
+        indices = [i for i, t in enumerate(init) if t.dim() == rank]
+        pieces, cursor = [], 0
+        for i in indices:
+            pieces.append((cursor, cursor + init[i].numel(), init[i].shape))
+            cursor += init[i].numel() + _PADDING
+        seg = Segmentation(run_shape(rank, cursor), pieces)
+        flat = torch.zeros(cursor, device=device)
+        for (start, end, _), i in zip(pieces, indices):
+            flat[start:end] = init[i].reshape(-1)
+        runs.append((torch.nn.Parameter(flat.view(seg.shape)), seg, indices))
+    views = [None] * len(init)  # parameters sharing memory with the runs, for the first step
+    for proxy, seg, indices in runs:
+        for view, i in zip(segment_views(proxy.detach(), seg), indices):
+            views[i] = torch.nn.Parameter(view)
+    try:
+        opt_a = _probe_clone(optimizer, group, per_tensor)
+        opt_b = _probe_clone(optimizer, group, views)
+    except ProbeCopyError as exc:
+        return f"it cannot be copied to be probed on synthetic tensors ({exc})"
+    step = type(optimizer).step
+    with _untouched(optimizer):
+        try:
+            for n, step_grads in enumerate(grads):
+                for p, g in zip(per_tensor, step_grads):
+                    p.grad = g.clone()
+                step(opt_a)
+                if n == 0:
+                    for v, g in zip(views, step_grads):
+                        v.grad = g.clone()
+                    step(opt_b)
+                    reason = _pack_runs(opt_b, views, runs)
+                    if reason:
+                        return reason
+                    continue
+                for proxy, seg, indices in runs:
+                    flat_grad = torch.zeros(seg.length, device=device)
+                    for (start, end, _), i in zip(seg.pieces, indices):
+                        flat_grad[start:end] = step_grads[i].reshape(-1)
+                    proxy.grad = flat_grad.view(seg.shape)
+                with SegmentedMode([seg for _, seg, _ in runs]):
+                    step(opt_b)
+        except Exception as exc:  # NotSegmentable, or anything else: the probe reports
+            return f"its step raised {type(exc).__name__} on segmented synthetic tensors ({exc})"
+    try:
+        return _compare_segmented(opt_a, per_tensor, opt_b, runs)
+    except Exception as exc:
+        return f"its state cannot be compared per parameter and segmented ({type(exc).__name__}: {exc})"
+
+
+def _pack_runs(opt, views, runs) -> Optional[str]:
+    """Move the per-parameter state the first step created onto the runs (as the planner does)."""
+    state = opt.state
+    for proxy, seg, indices in runs:
+        members = [views[i] for i in indices]
+        first = state.get(members[0], {})
+        packed: Dict[str, Any] = {}
+        for key, value in first.items():
+            values = [state.get(m, {}).get(key) for m in members]
+            if isinstance(value, torch.Tensor) and value.shape == members[0].shape and value.numel() > 1:
+                flat = torch.zeros(seg.length, dtype=value.dtype, device=value.device)
+                for (start, end, _), v in zip(seg.pieces, values):
+                    flat[start:end] = v.reshape(-1)
+                packed[key] = flat.view(seg.shape)
+            elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                packed[key] = torch.stack([v.reshape(()) for v in values]).reshape(seg.scalar_shape)
+            elif isinstance(value, torch.Tensor):
+                return f"its state '{key}' is neither shaped like the parameter nor one value"
+            elif any(v != value for v in values):
+                return f"its state '{key}' differs between parameters that are stepped together"
+            else:
+                packed[key] = value
+        for m in members:
+            state.pop(m, None)
+        state[proxy] = packed
+    opt.param_groups[0]["params"] = [proxy for proxy, _, _ in runs]
+    return None
+
+
+def _compare_segmented(opt_a, per_tensor, opt_b, runs) -> Optional[str]:
+    with torch.no_grad():
+        for proxy, seg, indices in runs:
+            got = segment_views(proxy.detach(), seg)
+            for view, i in zip(got, indices):
+                reason = _mismatch("the parameter update", per_tensor[i].reshape(-1), view.reshape(-1))
+                if reason:
+                    return reason
+            run_state = opt_b.state.get(proxy, {})
+            for i_pos, i in enumerate(indices):
+                expected = opt_a.state.get(per_tensor[i], {})
+                if set(expected) != set(run_state):
+                    return f"it keeps different state keys per tensor ({sorted(expected)}) and segmented ({sorted(run_state)})"
+                for key, value in run_state.items():
+                    want = expected[key]
+                    if isinstance(value, torch.Tensor) and tuple(value.shape) == seg.shape:
+                        have = segment_views(value, seg)[i_pos]
+                    elif isinstance(value, torch.Tensor) and tuple(value.shape) == seg.scalar_shape:
+                        have = value.reshape(-1)[i_pos]
+                    else:
+                        have = value
+                    if isinstance(want, torch.Tensor) or isinstance(have, torch.Tensor):
+                        if not (isinstance(want, torch.Tensor) and isinstance(have, torch.Tensor)):
+                            return f"its state '{key}' is a tensor on one side only"
+                        if want.numel() != have.numel():
+                            return f"its state '{key}' has {have.numel()} values segmented, {want.numel()} per tensor"
+                        reason = _mismatch(f"state '{key}'", want.reshape(-1), have.reshape(-1))
+                        if reason:
+                            return reason
+                    elif want != have:
+                        return f"its state '{key}' differs per tensor ({want}) and segmented ({have})"
     return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import warnings
 import weakref
 import types
 import warnings
@@ -25,6 +24,7 @@ import torch
 from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available
 from ._layout import FlatLayout, FusionConfig
 from ._planner import StepPlan, StepPlanner
+from ._segmented import NotSegmentable, SegmentedMode
 from ._torch_compat import mark_step_taken, step_keeping_lr_scheduler_marker, unwrapped_step
 from .errors import (
     AlreadyFusedError,
@@ -73,6 +73,9 @@ class FusionReport:
     compile_disabled_reason: Optional[str] = None
     reasons: Dict[str, str] = field(default_factory=dict)
     step_replaced: bool = False  # optimizer.step() runs the fused step too (replace_step=True)
+    # per param group: "elementwise" (flat runs), "segmented" (flat runs, whole-parameter
+    # reductions computed per parameter) or "per-tensor" (its exact unfused step)
+    group_paths: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -165,8 +168,13 @@ class Fusion:
                 loss = closure()
         plan = self.planner.plan(self._run_cap())
         swapped = plan.swapped_state(optimizer.state)
-        with swapped_params_and_state(optimizer, plan.group_params, swapped):
-            self._run_optimizer_step(plan)
+        self.stats.last_step_compiled = False  # segmented runs step eagerly
+        if any(plan.group_params) or not plan.segmented_calls:
+            with swapped_params_and_state(optimizer, plan.group_params, swapped):
+                self._run_optimizer_step(plan)
+        for params, segmentations in plan.segmented_calls:
+            with swapped_params_and_state(optimizer, params, swapped):
+                self._run_segmented_step(segmentations)
         self.planner.write_back(plan, swapped)
         stats = self.stats
         stats.fused_steps += 1
@@ -182,7 +190,7 @@ class Fusion:
         optimizer = self.optimizer
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
         # The first step creates state lazily; tracing it would cost a throw-away graph.
-        ready = self.compiled_step is not None and all(run.state for run in plan.runs)
+        ready = self.compiled_step is not None and bool(plan.runs) and all(run.state for run in plan.runs)
         self.stats.last_step_compiled = ready and self.compiled_step(optimizer, raw_step)
         if self.stats.last_step_compiled:
             return
@@ -191,6 +199,22 @@ class Fusion:
         grad_mode = torch.set_grad_enabled(differentiable) if strips_grad_mode else contextlib.nullcontext()
         with grad_mode:
             raw_step(optimizer)
+
+    def _run_segmented_step(self, segmentations) -> None:
+        """The optimizer's own step over segmented runs: whole-parameter reductions per parameter."""
+        optimizer = self.optimizer
+        raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
+        differentiable = bool(optimizer.defaults.get("differentiable", False))
+        grad_mode = torch.set_grad_enabled(differentiable) if strips_grad_mode else contextlib.nullcontext()
+        try:
+            with grad_mode, SegmentedMode(segmentations):
+                raw_step(optimizer)
+        except NotSegmentable as exc:
+            raise FusionError(
+                f"{type(optimizer).__name__}'s step did something on this step that its probe did not see "
+                f"({exc}); some parameters may already be updated this step. Restore the last checkpoint and "
+                "train with this optimizer unfused."
+            ) from exc
 
     def remove(self) -> None:
         """Remove every hook this fusion installed."""
@@ -364,4 +388,5 @@ def fusion_report(optimizer) -> FusionReport:
         compile_disabled_reason=compiled.disabled_reason if compiled else None,
         reasons=dict(layout.reasons),
         step_replaced=fusion.config.replace_step,
+        group_paths=[layout.groups[i].path for i in sorted(layout.groups)],
     )

@@ -179,10 +179,19 @@ def test_bert_adam_without_clipping_fuses_and_matches(cls):
     assert fusion_report(fused).fused_params == 4
 
 
-@pytest.mark.parametrize(
-    "cls,kwargs",
-    [(BertAdamLike, dict(lr=1e-2, max_grad_norm=1.0)), (BertAdam, dict(lr=1e-2)), (LambLike, dict(lr=1e-2))],
-)
+@pytest.mark.parametrize("cls,kwargs", [(BertAdamLike, dict(lr=1e-2, max_grad_norm=1.0)), (BertAdam, dict(lr=1e-2))])
+def test_per_parameter_clipping_fuses_exactly_on_segmented_runs(cls, kwargs):
+    a, plain, b, fused = pair(cls, kwargs, dict(lr=3e-3, weight_decay=0.0))
+    data = batches(12)
+    train(a, plain, data)
+    train(b, fused, data, step=fused.fuse_step)
+    assert_same_params(a, b)
+    assert_same_state(plain, fused)
+    report = fusion_report(fused)
+    assert report.fused_params == 4 and report.group_paths == ["segmented", "segmented"]
+
+
+@pytest.mark.parametrize("cls,kwargs", [(LambLike, dict(lr=1e-2))])  # float(trust): a value read into Python
 def test_per_tensor_math_is_refused_or_falls_back_exactly(cls, kwargs):
     with pytest.raises(NotElementwiseError, match=f"{cls.__name__}.*on_unsupported='fallback'.*assume_elementwise=True"):
         fuse_optimizer(cls(TinyNet().parameters(), **kwargs))
