@@ -27,7 +27,7 @@ import torch
 
 from ._flat import FlatBuffer, Slot
 from ._layout import FlatLayout
-from ._segmented import Segmentation, run_shape
+from ._segmented import Segmentation, run_shape, state_kind
 from .errors import FusionError
 
 # A slot's token when its state cannot be flattened (a tensor not shaped like the parameter,
@@ -90,26 +90,30 @@ class StepPlan:
         return swapped
 
 
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _segmented_signature(state: Dict[str, Any], param: torch.Tensor):
     """The signature of a segmented group's slot: scalar *tensors* may differ per parameter
-    (they are stacked, one value per segment); a run holds one rank."""
+    (they are stacked, one value per segment); the rank is part of it (a run holds one rank)."""
     if not state:
         return FIRST_STEP
     tensors, per_segment, scalars = [], [], []
     for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            if value.shape == param.shape and param.numel() > 1:
-                tensors.append((key, value.dtype))
-            elif value.numel() == 1:
-                per_segment.append((key, tuple(value.shape), value.dtype, value.device))
-            else:
-                return None
-        else:
-            try:
-                hash(value)
-            except TypeError:
-                return None
+        kind = state_kind(value, param.shape)
+        if kind == "flat":
+            tensors.append((key, value.dtype))
+        elif kind == "scalar":
+            per_segment.append((key, tuple(value.shape), value.dtype, value.device))
+        elif kind == "python" and _hashable(value):
             scalars.append((key, value))
+        else:
+            return None
     return ("segmented", param.dim(), tuple(sorted(tensors, key=repr)), tuple(sorted(per_segment, key=repr)),
             tuple(sorted(scalars, key=repr)))
 
@@ -124,12 +128,10 @@ def _state_signature(state: Dict[str, Any], param: torch.Tensor):
             tensors.append((key, value.dtype))
         elif isinstance(value, torch.Tensor):
             scalars.append((key, value.item(), value.dtype, value.device))
-        else:
-            try:
-                hash(value)
-            except TypeError:
-                return None
+        elif _hashable(value):
             scalars.append((key, value))
+        else:
+            return None
     return tuple(sorted(tensors, key=repr)), tuple(sorted(scalars, key=repr))
 
 
@@ -173,7 +175,7 @@ class StepPlanner:
             params: List[torch.Tensor] = list(group.per_tensor)
             plan.per_tensor.extend(group.per_tensor)
             for buffer in group.buffers:
-                for first, last in self._runs(buffer, run_cap, params, plan.per_tensor, group.segmented):
+                for first, last in self._runs(buffer, run_cap, params, plan.per_tensor):
                     run = self._make_run(buffer, first, last, group.segmented)
                     plan.runs.append(run)
                     if run.segmentation is None:
@@ -195,7 +197,7 @@ class StepPlanner:
         params[index].append(run.proxy)
         segs.append(seg)
 
-    def _runs(self, buffer: FlatBuffer, run_cap: float, params, per_tensor, by_rank: bool = False) -> Iterator[Tuple[int, int]]:
+    def _runs(self, buffer: FlatBuffer, run_cap: float, params, per_tensor) -> Iterator[Tuple[int, int]]:
         """The runs of ``buffer`` as ``(first, last)`` slot ranges; slots that must be stepped
         per tensor this step are appended to ``params`` and ``per_tensor`` on the way."""
         slots = buffer.slots
@@ -206,8 +208,7 @@ class StepPlanner:
                     yield first, i
                     first = None
                 continue
-            if first is not None and (slot.token is not slots[first].token or slot.end - slots[first].start > run_cap
-                                      or (by_rank and slot.param.dim() != slots[first].param.dim())):
+            if first is not None and (slot.token is not slots[first].token or slot.end - slots[first].start > run_cap):
                 yield first, i
                 first = None
             if first is None:
@@ -220,17 +221,14 @@ class StepPlanner:
         buffer.sync_param(slot)
         if buffer.sync_grad(slot) and slot.token is not UNFUSABLE_STATE and slot.token is not FIRST_STEP:
             return True
-        if slot.param.grad is not None and slot.token is FIRST_STEP:  # lazy state: created per tensor
-            params.append(slot.param)
-            per_tensor.append(slot.param)
-            self.tokens_stale = True
-        elif slot.param.grad is not None:  # sparse gradient, or state not shaped like the parameter
-            self.layout.warn_once(
-                f"per-tensor{id(slot)}",
-                f"a fused parameter of shape {tuple(slot.param.shape)} is updated unfused this step "
-                f"(sparse gradient or state not shaped like the parameter)",
-                stacklevel=6,  # _joins_a_run <- _runs <- plan <- Fusion.step <- hooked step <- user
-            )
+        if slot.param.grad is not None:
+            if slot.token is not FIRST_STEP:  # FIRST_STEP: lazy state, created per tensor (expected)
+                self.layout.warn_once(
+                    f"per-tensor{id(slot)}",
+                    f"a fused parameter of shape {tuple(slot.param.shape)} is updated unfused this step "
+                    f"(sparse gradient or state not shaped like the parameter)",
+                    stacklevel=6,  # _joins_a_run <- _runs <- plan <- Fusion.step <- hooked step <- user
+                )
             params.append(slot.param)
             per_tensor.append(slot.param)
             self.tokens_stale = True
@@ -251,22 +249,23 @@ class StepPlanner:
         slots = buffer.slots[first:last]
         start = slots[0].start
         shape = run_shape(slots[0].param.dim(), flat_proxy.numel())
-        key = (id(buffer), start, flat_proxy.numel(), "proxy")
-        proxy = self._shaped.get(key)
+        proxy_key = (id(buffer), start, flat_proxy.numel(), "proxy")
+        proxy = self._shaped.get(proxy_key)
         if proxy is None or proxy.data_ptr() != flat_proxy.data_ptr():
             proxy = torch.nn.Parameter(flat_proxy.detach().view(shape), requires_grad=True)
-            self._shaped[key] = proxy
+            self._shaped[proxy_key] = proxy
         proxy.grad = flat_proxy.grad.view(shape)
         pieces = [(slot.start - start, slot.end - start, slot.param.shape) for slot in slots]
         run = Run(buffer, first, last, proxy, segmentation=Segmentation(shape, pieces))
         for key, value in state.get(slots[0].param, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == slots[0].param.shape and value.numel() > 1:
+            kind = state_kind(value, slots[0].param.shape)  # the signature made it equal across the run
+            if kind == "flat":
                 for slot in run.slots:
                     per_param = state[slot.param]
                     per_param[key] = buffer.sync_state(key, slot, per_param[key])
                 flat = buffer.state_slice(key, run.start, run.end)
                 run.state[key] = self._shaped_view(buffer, flat, start, key, shape)
-            elif isinstance(value, torch.Tensor):  # one value per parameter
+            elif kind == "scalar":
                 run.scalar_keys[key] = value.shape
                 values = [state[slot.param][key].reshape(()) for slot in run.slots]
                 run.state[key] = torch.stack(values).reshape(run.segmentation.scalar_shape)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ._segmented import Segmentation, SegmentedMode, run_shape, segment_views
+from ._segmented import Segmentation, SegmentedMode, run_shape, segment_views, state_kind
 from ._torch_compat import tensor_version
 from .errors import FusionError
 
@@ -293,14 +293,15 @@ def _pack_runs(opt, views, runs) -> Optional[str]:
         packed: Dict[str, Any] = {}
         for key, value in first.items():
             values = [state.get(m, {}).get(key) for m in members]
-            if isinstance(value, torch.Tensor) and value.shape == members[0].shape and value.numel() > 1:
+            kind = state_kind(value, members[0].shape)
+            if kind == "flat":
                 flat = torch.zeros(seg.length, dtype=value.dtype, device=value.device)
                 for (start, end, _), v in zip(seg.pieces, values):
                     flat[start:end] = v.reshape(-1)
                 packed[key] = flat.view(seg.shape)
-            elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            elif kind == "scalar":
                 packed[key] = torch.stack([v.reshape(()) for v in values]).reshape(seg.scalar_shape)
-            elif isinstance(value, torch.Tensor):
+            elif kind == "other":
                 return f"its state '{key}' is neither shaped like the parameter nor one value"
             elif any(v != value for v in values):
                 return f"its state '{key}' differs between parameters that are stepped together"

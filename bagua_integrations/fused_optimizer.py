@@ -194,20 +194,22 @@ class Fusion:
         self.stats.last_step_compiled = ready and self.compiled_step(optimizer, raw_step)
         if self.stats.last_step_compiled:
             return
-        differentiable = bool(optimizer.defaults.get("differentiable", False))
-        # torch.set_grad_enabled takes effect when constructed: build it only when it is used.
-        grad_mode = torch.set_grad_enabled(differentiable) if strips_grad_mode else contextlib.nullcontext()
-        with grad_mode:
+        with self._eager_grad_mode(strips_grad_mode):
             raw_step(optimizer)
+
+    def _eager_grad_mode(self, strips_grad_mode: bool):
+        """The grad mode the optimizer's own ``step`` wrapper would have set (we call it unwrapped)."""
+        if not strips_grad_mode:
+            return contextlib.nullcontext()
+        # torch.set_grad_enabled takes effect when constructed: build it only when it is used.
+        return torch.set_grad_enabled(bool(self.optimizer.defaults.get("differentiable", False)))
 
     def _run_segmented_step(self, segmentations) -> None:
         """The optimizer's own step over segmented runs: whole-parameter reductions per parameter."""
         optimizer = self.optimizer
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
-        differentiable = bool(optimizer.defaults.get("differentiable", False))
-        grad_mode = torch.set_grad_enabled(differentiable) if strips_grad_mode else contextlib.nullcontext()
         try:
-            with grad_mode, SegmentedMode(segmentations):
+            with self._eager_grad_mode(strips_grad_mode), SegmentedMode(segmentations):
                 raw_step(optimizer)
         except NotSegmentable as exc:
             raise FusionError(
