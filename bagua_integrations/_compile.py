@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._torch_compat import forget_float_specializations, inductor_backend
+from ._torch_compat import dynamo_dispatches_foreach_to_modes, forget_float_specializations, inductor_backend
 from .errors import CompileFallbackWarning
 
 _T = torch.Tensor
@@ -98,9 +98,13 @@ def _single_tensor_groups(optimizer):
             group["foreach"] = True
 
 
-def _step_with_scalars_as_operands(optimizer, raw_step):
-    with ScalarsAsOperands():
-        raw_step(optimizer)
+def _step_with_scalars_as_operands(optimizer, raw_step, mode=None):
+    if mode is None:
+        with ScalarsAsOperands():
+            raw_step(optimizer)
+    else:  # a segmented step: per-parameter reductions (see _segmented.SegmentedMode)
+        with mode, ScalarsAsOperands():  # (dynamo_dispatches_foreach_to_modes ran: foreach calls reach mode)
+            raw_step(optimizer)
 
 
 def _describe(exc: BaseException) -> str:
@@ -128,6 +132,7 @@ class CompiledStep:
         code = _step_with_scalars_as_operands.__code__.replace(co_name=f"fused_step_{CompiledStep._instances}")
         private = types.FunctionType(code, _step_with_scalars_as_operands.__globals__, code.co_name)
         self._compiled = torch.compile(private, backend=self._backend, fullgraph=True)
+        dynamo_dispatches_foreach_to_modes()
 
     def _backend(self, graph_module, example_inputs):
         self.graphs += 1
@@ -148,17 +153,18 @@ class CompiledStep:
             stacklevel=8,  # _disable <- _run_compiled <- __call__ <- _run_optimizer_step <- Fusion.step <- _fused_step <- hook wrapper <- user
         )
 
-    def __call__(self, optimizer, raw_step) -> bool:
-        """Run ``raw_step`` compiled; return False (having run nothing) if the eager step must run."""
-        return self.disabled_reason is None and self._run_compiled(optimizer, raw_step)
+    def __call__(self, optimizer, raw_step, mode=None) -> bool:
+        """Run ``raw_step`` compiled (under ``mode``, a torch function mode, if given); return
+        False (having run nothing) if the eager step must run."""
+        return self.disabled_reason is None and self._run_compiled(optimizer, raw_step, mode)
 
-    def _run_compiled(self, optimizer, raw_step) -> bool:
+    def _run_compiled(self, optimizer, raw_step, mode) -> bool:
         graphs_before = self.graphs
         started = time.perf_counter()
         forget_float_specializations()
         try:
             with _single_tensor_groups(optimizer), torch.no_grad():
-                self._compiled(optimizer, raw_step)
+                self._compiled(optimizer, raw_step, mode)
         except Exception as exc:  # fullgraph: a failure happens before any tensor is updated
             self._disable(_describe(exc))
             return False

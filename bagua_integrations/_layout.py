@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -99,6 +99,7 @@ class GroupLayout:
         # True when the group's step is elementwise except for whole-parameter reductions
         # (_segmented.py): its runs hold parameters of one rank and reduce per parameter.
         self.segmented = False
+        self.reason: Optional[str] = None  # why the group's parameters keep their unfused step
 
     @property
     def path(self) -> str:
@@ -121,6 +122,9 @@ class FlatLayout:
         self.groups: Dict[int, GroupLayout] = {}
         self.reasons: Dict[str, str] = {}  # parameter name -> why it is stepped per tensor
         self.hooks = GradHooks()
+        # called with this layout after refresh() laid out a group anew (the fusion hooks the
+        # state_dict of the modules owning new parameters)
+        self.on_refresh: Optional[Callable[["FlatLayout"], None]] = None
         self._probe_cache: Dict[Tuple[str, torch.device], Optional[str]] = {}
         self._warned = set()
         try:
@@ -231,6 +235,7 @@ class FlatLayout:
             )
         # _keep_per_tensor <- _build_group <- FlatLayout <- Fusion <- fuse_optimizer <- user
         self.warn_once(f"group{index}", f"{cls} param group {index} keeps its unfused step: {reason}", stacklevel=6)
+        self.groups[index].reason = reason
         member_ids = {id(p) for p in members}
         for i, p in enumerate(group["params"]):
             if id(p) in member_ids:
@@ -273,6 +278,8 @@ class FlatLayout:
         for index in [i for i in self.groups if i >= len(self.optimizer.param_groups)]:
             self.hooks.remove(self.groups.pop(index).slots())
             changed = True
+        if changed and self.on_refresh is not None:
+            self.on_refresh(self)
         return changed
 
     def remove_hooks(self) -> None:

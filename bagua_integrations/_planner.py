@@ -98,10 +98,12 @@ def _hashable(value) -> bool:
     return True
 
 
-def _segmented_signature(state: Dict[str, Any], param: torch.Tensor):
+def _segmented_signature(state: Dict[str, Any], param: torch.Tensor, stepped: bool):
     """The signature of a segmented group's slot: scalar *tensors* may differ per parameter
-    (they are stacked, one value per segment); the rank is part of it (a run holds one rank)."""
-    if not state:
+    (they are stacked, one value per segment); the rank is part of it (a run holds one rank).
+    No state before the parameter's first step means lazy state (FIRST_STEP); after it, a
+    stateless optimizer."""
+    if not state and not stepped:
         return FIRST_STEP
     tensors, per_segment, scalars = [], [], []
     for key, value in state.items():
@@ -143,6 +145,8 @@ class StepPlanner:
         self.layout = layout
         self.tokens_stale = True
         self._shaped: Dict[Tuple[int, int, int, str], torch.Tensor] = {}  # rank-shaped views, reused
+        self._segmentations: Dict[Any, Segmentation] = {}  # one per run layout: compiled graphs key on it
+        self._first_stepped: set = set()  # ids of FIRST_STEP slots that took their first step per tensor
 
     def invalidate(self) -> None:
         """Something other than a fused step may have changed scalar state: recompute tokens."""
@@ -152,9 +156,11 @@ class StepPlanner:
         state = self.optimizer.state
         tokens: Dict[Any, object] = {}
         for group in self.layout.groups.values():
-            signature_of = _segmented_signature if group.segmented else _state_signature
             for slot in group.slots():
-                signature = signature_of(state.get(slot.param, {}), slot.param)
+                if group.segmented:
+                    signature = _segmented_signature(state.get(slot.param, {}), slot.param, id(slot) in self._first_stepped)
+                else:
+                    signature = _state_signature(state.get(slot.param, {}), slot.param)
                 if signature is None or signature is FIRST_STEP:
                     slot.token = UNFUSABLE_STATE if signature is None else FIRST_STEP
                 else:
@@ -222,7 +228,9 @@ class StepPlanner:
         if buffer.sync_grad(slot) and slot.token is not UNFUSABLE_STATE and slot.token is not FIRST_STEP:
             return True
         if slot.param.grad is not None:
-            if slot.token is not FIRST_STEP:  # FIRST_STEP: lazy state, created per tensor (expected)
+            if slot.token is FIRST_STEP:  # lazy state, created per tensor (expected)
+                self._first_stepped.add(id(slot))
+            else:
                 self.layout.warn_once(
                     f"per-tensor{id(slot)}",
                     f"a fused parameter of shape {tuple(slot.param.shape)} is updated unfused this step "
@@ -256,7 +264,10 @@ class StepPlanner:
             self._shaped[proxy_key] = proxy
         proxy.grad = flat_proxy.grad.view(shape)
         pieces = [(slot.start - start, slot.end - start, slot.param.shape) for slot in slots]
-        run = Run(buffer, first, last, proxy, segmentation=Segmentation(shape, pieces))
+        seg = self._segmentations.get((shape, tuple(pieces)))
+        if seg is None:
+            seg = self._segmentations[(shape, tuple(pieces))] = Segmentation(shape, pieces)
+        run = Run(buffer, first, last, proxy, segmentation=seg)
         for key, value in state.get(slots[0].param, {}).items():
             kind = state_kind(value, slots[0].param.shape)  # the signature made it equal across the run
             if kind == "flat":

@@ -28,7 +28,10 @@ run of many parameters, provided every reduction is computed per parameter. That
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import math
+import weakref
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -80,12 +83,26 @@ def run_shape(rank: int, length: int) -> Tuple[int, ...]:
     return (1,) * (rank - 1) + (length,)
 
 
-@dataclass
+_BY_KEY: "weakref.WeakValueDictionary[str, Segmentation]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+@dataclass(eq=False)
 class Segmentation:
-    """The segments of one run: ``pieces`` are (start, end, parameter shape), run-relative."""
+    """The segments of one run: ``pieces`` are (start, end, parameter shape), run-relative.
+
+    ``key`` names it to :func:`segment_combine` inside a compiled graph (a string: the graph keeps
+    it as a constant, where an int may be made symbolic); keep one instance per layout so that
+    compiled graphs stay valid across steps.
+    """
 
     shape: Tuple[int, ...]
     pieces: List[Tuple[int, int, torch.Size]]
+    key: str = field(init=False)
+
+    def __post_init__(self):
+        self.key = f"segmentation{next(_KEYS)}"
+        _BY_KEY[self.key] = self
 
     @property
     def segments(self) -> int:
@@ -108,6 +125,41 @@ class Segmentation:
         pieces = [values[i].expand(n) for i, n in self._layout]
         return torch.cat(pieces).view(self.shape)
 
+    def index_blocks(self, device: torch.device) -> None:
+        """Prepare :meth:`expand_indexed` on ``device`` (outside a compiled region: it builds a tensor).
+
+        The run is cut into blocks of ``block`` elements, the largest power of two (<= 64)
+        dividing every segment start and the run's length; ``block_ids`` holds each block's
+        segment index (``segments``: padding), so a compiled gather reads one index per block.
+        (A last, partial block would need a slice after the broadcast, which Inductor 2.13
+        miscompiles on CPU: the slice's tail read the padding's value.)"""
+        if getattr(self, "block_ids", None) is not None and self.block_ids.device == device:
+            return
+        block = 64
+        while block > 1 and (self.length % block or any(start % block for start, _, _ in self.pieces)):
+            block //= 2
+        ids = torch.full((self.length // block,), self.segments, dtype=torch.int32)
+        valid = torch.zeros(self.length // block, dtype=torch.uint8)
+        ranges = []
+        for i, (start, end, _) in enumerate(self.pieces):
+            first, last = start // block, math.ceil(end / block)
+            ids[first:last] = i
+            valid[first:last] = block
+            valid[last - 1] = end - (last - 1) * block
+            ranges.append((first, last))
+        padded = bool((valid < block).any())
+        self.block, self.block_ids, self.block_ranges = block, ids.to(device), ranges
+        self.block_valid = valid.to(device) if padded else None  # elements of each block inside a segment
+        self.numels = torch.tensor([end - start for start, end, _ in self.pieces], dtype=torch.float32, device=device)
+
+    def expand_indexed(self, scalars: torch.Tensor) -> torch.Tensor:
+        """:meth:`expand` as a gather a compiler fuses into the kernel that uses it (no
+        run-sized temporary). Padding that shares a block with a segment takes its value."""
+        values = torch.cat([scalars.reshape(self.segments), scalars.new_ones(1)])
+        ids = self.block_ids
+        per_block = values[ids].unsqueeze(1).expand(ids.numel(), self.block)
+        return per_block.reshape(self.shape)
+
     @cached_property
     def _layout(self) -> List[Tuple[int, int]]:
         """``(value index, count)`` along the run; index ``segments`` is the padding's value."""
@@ -126,6 +178,105 @@ def segment_views(full: torch.Tensor, segmentation: Segmentation) -> List[torch.
     """Each segment of the run-shaped ``full`` as a view shaped like its parameter."""
     flat = full.reshape(-1)
     return [flat[start:end].view(shape) for start, end, shape in segmentation.pieces]
+
+
+# ---------------------------------------------------------------------- compiled reductions
+# Inside a compiled step a reduction cannot be re-run per segment as Python calls (one graph
+# node per parameter and reduction would make the graph, and its compile time, grow with the
+# model). It becomes two steps: a reduction of each *block* of the run (Inductor fuses it with
+# whatever computes the reduced tensor, e.g. LAMB's update), then ``segment_combine``, an
+# operator opaque to the compiler that combines each segment's few block partials. Padding is
+# masked out of the partials. Compiled steps know the reductions below; any other one fails the
+# compile, and the eager segmented step runs instead.
+def _reduction_spec(func, args, kwargs) -> Optional[Tuple[str, float]]:
+    """``(name, ord)`` when ``func(*args, **kwargs)`` reduces whole tensors in a known way."""
+    if func in (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm):
+        # (x, ord, dim, keepdim) positionally, dtype by keyword; torch.norm calls its ord "p"
+        named = dict(zip(("ord", "dim", "keepdim"), args[1:]), **kwargs)
+        ord = named.pop("ord", named.pop("p", 2.0))
+        named.pop("keepdim", None)  # one value either way
+        if ord == "fro":
+            ord = 2.0
+        if any(v is not None for v in named.values()) or isinstance(ord, bool) or not isinstance(ord, (int, float)):
+            return None
+        return "vector_norm", float(ord)
+    if any(v is not None for v in kwargs.values()):
+        return None
+    if len(args) != (2 if func in (torch.dot, torch.Tensor.dot) else 1):
+        return None
+    name = _REDUCTION_NAMES.get(func)
+    return None if name is None else (name, 0.0)
+
+
+_REDUCTION_NAMES = {torch.sum: "sum", torch.Tensor.sum: "sum", torch.mean: "mean", torch.Tensor.mean: "mean",
+                    torch.amax: "amax", torch.Tensor.amax: "amax", torch.max: "amax", torch.Tensor.max: "amax",
+                    torch.amin: "amin", torch.Tensor.amin: "amin", torch.min: "amin", torch.Tensor.min: "amin",
+                    torch.dot: "dot", torch.Tensor.dot: "dot"}
+_INF = float("inf")
+
+
+@torch.library.custom_op("bagua_integrations::segment_combine", mutates_args=())
+def segment_combine(partials: torch.Tensor, key: str, how: str) -> torch.Tensor:
+    """``how`` ("sum", "amax" or "amin") over each segment's block partials: one value per segment."""
+    seg = _BY_KEY[key]
+    reduce = getattr(torch, how)
+    return torch.stack([reduce(partials[first:last]) for first, last in seg.block_ranges])
+
+
+@segment_combine.register_fake
+def _(partials, key, how):
+    return partials.new_empty(_BY_KEY[key].segments)
+
+
+def _blockwise(x: torch.Tensor, seg: "Segmentation", neutral: float) -> torch.Tensor:
+    """The run ``x`` as ``(blocks, block)``, padding replaced by ``neutral``, accumulated in fp32 or wider."""
+    blocks = x.reshape(seg.length // seg.block, seg.block)
+    if blocks.dtype in (torch.float16, torch.bfloat16):
+        blocks = blocks.float()
+    if seg.block_valid is None:  # no padding inside the run
+        return blocks
+    valid = torch.arange(seg.block, device=x.device) < seg.block_valid.unsqueeze(1)
+    return torch.where(valid, blocks, neutral)
+
+
+def _compiled_reduction(name: str, ord: float, x: torch.Tensor, other: Optional[torch.Tensor], seg) -> torch.Tensor:
+    """``name`` of each segment of ``x`` as a segment scalar, built from block partials."""
+    finish = None
+    if name == "vector_norm":
+        if ord == _INF:
+            how, part = "amax", _blockwise(x.abs(), seg, 0.0).amax(1)
+        elif ord == -_INF:
+            how, part = "amin", _blockwise(x.abs(), seg, _INF).amin(1)
+        elif ord == 0:
+            how, part = "sum", (_blockwise(x, seg, 0.0) != 0).sum(1, dtype=torch.float32)
+        else:
+            how, part = "sum", _blockwise(x.abs() if ord != 2 else x, seg, 0.0).pow(ord).sum(1)
+            finish = (lambda v: v.sqrt()) if ord == 2 else (lambda v: v.pow(1.0 / ord)) if ord != 1 else None
+    elif name == "dot":
+        how, part = "sum", _blockwise(x * other, seg, 0.0).sum(1)
+    elif name in ("sum", "mean"):
+        how, part = "sum", _blockwise(x, seg, 0.0).sum(1)
+        if name == "mean":
+            finish = lambda v: v / seg.numels  # noqa: E731
+    else:  # amax, amin
+        how = name
+        part = getattr(_blockwise(x, seg, -_INF if name == "amax" else _INF), name)(1)
+    values = segment_combine(part, seg.key, how)
+    if finish is not None:
+        values = finish(values)
+    return values.to(x.dtype).reshape(seg.scalar_shape)
+
+
+def _reduce_scalars(name: str, x: torch.Tensor, other: Optional[torch.Tensor], ord: float, seg) -> torch.Tensor:
+    """A reduction of one value per segment, per segment: the reduction of a single value."""
+    column = x.reshape(seg.segments, 1)
+    if name == "vector_norm":
+        out = torch.linalg.vector_norm(column, ord, dim=1)
+    elif name == "dot":
+        out = column.reshape(-1) * other.reshape(-1)
+    else:
+        out = getattr(torch, name)(column, dim=1)
+    return out.reshape(seg.scalar_shape)
 
 
 def _leaves(obj, out: List[Any]) -> List[Any]:
@@ -215,8 +366,9 @@ class SegmentedMode(TorchFunctionMode):
             not isinstance(a, int) or func in (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm) for a in args[1:]
         ):
             return self._per_segment(func, seg, args, kwargs)
+        expand = seg.expand_indexed if torch.compiler.is_compiling() else seg.expand
         expanded_args, expanded_kwargs = _map(
-            lambda x: seg.expand(x) if isinstance(x, torch.Tensor) and tuple(x.shape) == seg.scalar_shape else x,
+            lambda x: expand(x) if isinstance(x, torch.Tensor) and tuple(x.shape) == seg.scalar_shape else x,
             (args, kwargs),
         )
         out = func(*expanded_args, **expanded_kwargs)
@@ -233,6 +385,8 @@ class SegmentedMode(TorchFunctionMode):
 
     def _per_segment(self, func, seg: Segmentation, args, kwargs) -> torch.Tensor:
         """The reduction ``func`` on each segment's own view: the per-parameter values, stacked."""
+        if torch.compiler.is_compiling():
+            return self._per_segment_compiled(func, seg, args, kwargs)
         views: Dict[int, List[torch.Tensor]] = {}
         scalars: Dict[int, torch.Tensor] = {}
 
@@ -261,6 +415,20 @@ class SegmentedMode(TorchFunctionMode):
                 raise NotSegmentable(f"{_name(func)} of one parameter is not one value")
             values.append(value.reshape(()))
         return torch.stack(values).reshape(seg.scalar_shape)
+
+    def _per_segment_compiled(self, func, seg: Segmentation, args, kwargs) -> torch.Tensor:
+        spec = _reduction_spec(func, args, kwargs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if spec is None or not tensors:
+            raise NotSegmentable(f"{_name(func)} is not a reduction a compiled segmented step knows")
+        name, ord = spec
+        shapes = {tuple(t.shape) for t in tensors}
+        other = tensors[1] if len(tensors) > 1 else None
+        if shapes == {seg.shape}:
+            return _compiled_reduction(name, ord, tensors[0], other, seg)
+        if shapes == {seg.scalar_shape}:
+            return _reduce_scalars(name, tensors[0], other, ord, seg)
+        raise NotSegmentable(f"{_name(func)} mixes per-parameter values and runs")
 
     # ------------------------------------------------------------------ segment scalars only
     def _on_scalars(self, func, seg: Segmentation, args, kwargs):

@@ -27,6 +27,10 @@ __all__ = [
     "step_keeping_lr_scheduler_marker",
     "mark_step_taken",
     "tensor_version",
+    "register_state_dict_post_hook",
+    "dynamo_dispatches_foreach_to_modes",
+    "default_store",
+    "process_group_timeout",
 ]
 
 
@@ -111,3 +115,58 @@ def mark_step_taken(optimizer: torch.optim.Optimizer) -> None:
 def tensor_version(tensor: torch.Tensor) -> int:
     """Autograd's in-place modification counter of ``tensor`` (underscored attribute ``_version``)."""
     return tensor._version
+
+
+def register_state_dict_post_hook(module: torch.nn.Module, hook: Callable) -> "torch.utils.hooks.RemovableHandle":
+    """``module.register_state_dict_post_hook(hook)``; ``hook(module, state_dict, prefix, metadata)``
+    changes ``state_dict`` in place and returns None.
+
+    Public from torch 2.3 (there it runs for every submodule's ``state_dict`` call); before,
+    the private ``_register_state_dict_hook`` does the same for a hook that returns None.
+    """
+    public = getattr(module, "register_state_dict_post_hook", None)
+    if public is not None:
+        return public(hook)
+    return module._register_state_dict_hook(hook)
+
+
+def dynamo_dispatches_foreach_to_modes() -> None:
+    """Make Dynamo hand ``torch._foreach_*`` calls to an active torch function mode, as eager does.
+
+    Eager torch dispatches ``torch._foreach_norm`` & co. to ``__torch_function__`` modes; Dynamo
+    (checked on 2.13) only dispatches functions in its private cached set
+    ``torch._dynamo.variables.torch.get_overridable_functions()``, which lacks them, so a traced
+    mode silently misses ``clip_grad_norm_``'s foreach calls. Adding them changes nothing for
+    code traced without a mode. Idempotent; a torch without that set needs nothing.
+    """
+    try:
+        from torch._dynamo.variables.torch import get_overridable_functions
+    except ImportError:
+        return
+    funcs = get_overridable_functions()
+    if isinstance(funcs, set):
+        funcs.update(getattr(torch, n) for n in dir(torch) if n.startswith("_foreach_"))
+
+
+def default_store():
+    """The key-value store of the default process group (``init_process_group``'s rendezvous store).
+
+    Private: ``torch.distributed.distributed_c10d._get_default_store``. The stall watchdog of
+    ``distributed/comm.py`` writes one key per rank there when a collective waits long, to
+    tell which ranks have not arrived; callers treat any error as "unknown".
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def process_group_timeout(group=None):
+    """The timeout (a ``timedelta``) the CPU backend of ``group`` (default: the world) runs its collectives with.
+
+    Private: ``ProcessGroup._get_backend(device).options._timeout``. Only used to name the
+    deadline in a warning; callers treat any error as "unknown".
+    """
+    import torch.distributed as dist
+
+    pg = dist.group.WORLD if group is None else group
+    return pg._get_backend(torch.device("cpu")).options._timeout

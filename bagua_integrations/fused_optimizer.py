@@ -25,6 +25,7 @@ from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available
 from ._layout import FlatLayout, FusionConfig
 from ._planner import StepPlan, StepPlanner
 from ._segmented import NotSegmentable, SegmentedMode
+from ._state_dict import StateDictHooks
 from ._torch_compat import mark_step_taken, step_keeping_lr_scheduler_marker, unwrapped_step
 from .errors import (
     AlreadyFusedError,
@@ -76,6 +77,8 @@ class FusionReport:
     # per param group: "elementwise" (flat runs), "segmented" (flat runs, whole-parameter
     # reductions computed per parameter) or "per-tensor" (its exact unfused step)
     group_paths: List[str] = field(default_factory=list)
+    # per param group: why it keeps its unfused step (None where it is fused)
+    group_reasons: List[Optional[str]] = field(default_factory=list)
 
 
 @dataclass
@@ -121,12 +124,19 @@ class Fusion:
         self.planner = StepPlanner(optimizer, self.layout)
         self.stats = FusionStats()
         self.compiled_step = self._compiled_step()
+        # Per segmented call (runs told apart by shape): its mode, kept while the layout holds so
+        # that compiled graphs stay valid, and its own compiled step (graphs, recompile budget).
+        self.segmented: Dict[Tuple[str, ...], Tuple[SegmentedMode, Optional[CompiledStep]]] = {}
         self.step_before_fusing = optimizer.__dict__.get("step")  # restored by unfuse()
         self._just_fused = False  # set by a fused step, consumed by its own post-hook
         self.handles = [
             optimizer.register_step_post_hook(self._after_any_step),
             optimizer.register_load_state_dict_post_hook(lambda _: self.planner.invalidate()),
         ]
+        # model.state_dict() and optimizer.state_dict() save compact copies, not whole flat buffers
+        self.state_dict_hooks = StateDictHooks()
+        self.state_dict_hooks.install(optimizer, self.layout)
+        self.layout.on_refresh = self.state_dict_hooks.cover
 
     def _compiled_step(self) -> Optional[CompiledStep]:
         if self.config.compile is False or not CompiledStep.eligible(self.optimizer):
@@ -168,13 +178,14 @@ class Fusion:
                 loss = closure()
         plan = self.planner.plan(self._run_cap())
         swapped = plan.swapped_state(optimizer.state)
-        self.stats.last_step_compiled = False  # segmented runs step eagerly
+        compiled = []
         if any(plan.group_params) or not plan.segmented_calls:
             with swapped_params_and_state(optimizer, plan.group_params, swapped):
-                self._run_optimizer_step(plan)
+                compiled.append(self._run_optimizer_step(plan))
         for params, segmentations in plan.segmented_calls:
             with swapped_params_and_state(optimizer, params, swapped):
-                self._run_segmented_step(segmentations)
+                compiled.append(self._run_segmented_step(segmentations))
+        self.stats.last_step_compiled = all(compiled)
         self.planner.write_back(plan, swapped)
         stats = self.stats
         stats.fused_steps += 1
@@ -191,11 +202,11 @@ class Fusion:
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
         # The first step creates state lazily; tracing it would cost a throw-away graph.
         ready = self.compiled_step is not None and bool(plan.runs) and all(run.state for run in plan.runs)
-        self.stats.last_step_compiled = ready and self.compiled_step(optimizer, raw_step)
-        if self.stats.last_step_compiled:
-            return
+        if ready and self.compiled_step(optimizer, raw_step):
+            return True
         with self._eager_grad_mode(strips_grad_mode):
             raw_step(optimizer)
+        return False
 
     def _eager_grad_mode(self, strips_grad_mode: bool):
         """The grad mode the optimizer's own ``step`` wrapper would have set (we call it unwrapped)."""
@@ -204,12 +215,25 @@ class Fusion:
         # torch.set_grad_enabled takes effect when constructed: build it only when it is used.
         return torch.set_grad_enabled(bool(self.optimizer.defaults.get("differentiable", False)))
 
-    def _run_segmented_step(self, segmentations) -> None:
-        """The optimizer's own step over segmented runs: whole-parameter reductions per parameter."""
+    def _run_segmented_step(self, segmentations) -> bool:
+        """The optimizer's own step over segmented runs: whole-parameter reductions per parameter.
+        Compiled when it can be (a segmented call only ever holds runs with state); True if it was."""
         optimizer = self.optimizer
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
+        key = tuple(seg.key for seg in segmentations)
+        if key not in self.segmented:
+            self.segmented[key] = (SegmentedMode(segmentations), self.compiled_step and CompiledStep())
+        mode, compiled = self.segmented[key]
+        if compiled is not None and compiled.disabled_reason is None:
+            for group in optimizer.param_groups:
+                for proxy in group["params"]:
+                    seg = mode.by_shape.get(tuple(proxy.shape))
+                    if seg is not None:
+                        seg.index_blocks(proxy.device)
+            if compiled(optimizer, raw_step, mode):
+                return True
         try:
-            with self._eager_grad_mode(strips_grad_mode), SegmentedMode(segmentations):
+            with self._eager_grad_mode(strips_grad_mode), mode:
                 raw_step(optimizer)
         except NotSegmentable as exc:
             raise FusionError(
@@ -217,10 +241,13 @@ class Fusion:
                 f"({exc}); some parameters may already be updated this step. Restore the last checkpoint and "
                 "train with this optimizer unfused."
             ) from exc
+        return False
 
     def remove(self) -> None:
         """Remove every hook this fusion installed."""
         self.layout.remove_hooks()
+        self.layout.on_refresh = None
+        self.state_dict_hooks.remove(self.layout)
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -295,6 +322,7 @@ def fuse_optimizer(
     # The gradient hooks live on the parameters, which outlive the optimizer (a second
     # fine-tuning stage builds a new one): release them with it.
     weakref.finalize(optimizer, fusion.layout.hooks.remove_all)
+    weakref.finalize(optimizer, fusion.state_dict_hooks.remove)
     optimizer.fuse_step = types.MethodType(_fused_step, optimizer)
     if replace_step:
         fused_step = types.MethodType(_fused_step, optimizer)
@@ -334,7 +362,8 @@ def flat_grad_segments(optimizer) -> List[FlatSegment]:
 def unfuse(optimizer) -> torch.optim.Optimizer:
     """Undo :func:`fuse_optimizer`'s hooks: ``optimizer`` steps like an ordinary one again.
 
-    Removes the gradient hooks, the optimizer hooks, ``fuse_step`` and the replaced ``step``.
+    Removes the gradient hooks, the optimizer hooks, the state-dict hooks on the model's
+    modules, ``fuse_step`` and the replaced ``step``.
     Parameters, gradients and state keep their values (they stay views of the flat memory,
     which is freed once nothing refers to it). Returns ``optimizer``.
     """
@@ -368,7 +397,8 @@ def fused_layout(optimizer) -> FlatLayout:
 def fusion_report(optimizer) -> FusionReport:
     """Describe how much of ``optimizer`` is fused (for the last step, or the plan before one)."""
     fusion = _fusion(optimizer)
-    layout, stats, compiled = fusion.layout, fusion.stats, fusion.compiled_step
+    layout, stats = fusion.layout, fusion.stats
+    compiled = [c for c in [fusion.compiled_step] + [c for _, c in fusion.segmented.values()] if c is not None]
     buffers = len(layout.buffers())
     if stats.last_step is LastStep.NONE:
         fused, unfused, runs = layout.fused_params(), layout.per_tensor_params(), buffers
@@ -385,10 +415,11 @@ def fusion_report(optimizer) -> FusionReport:
         # a "fused" step that fused nothing is not reported as one
         last_step_fused=stats.last_step is LastStep.FUSED and fused > 0,
         compiled=stats.last_step_compiled,
-        compile_graphs=compiled.graphs if compiled else 0,
-        compile_seconds=compiled.compile_seconds if compiled else 0.0,
-        compile_disabled_reason=compiled.disabled_reason if compiled else None,
+        compile_graphs=sum(c.graphs for c in compiled),
+        compile_seconds=sum(c.compile_seconds for c in compiled),
+        compile_disabled_reason=next((c.disabled_reason for c in compiled if c.disabled_reason), None),
         reasons=dict(layout.reasons),
         step_replaced=fusion.config.replace_step,
         group_paths=[layout.groups[i].path for i in sorted(layout.groups)],
+        group_reasons=[layout.groups[i].reason for i in sorted(layout.groups)],
     )

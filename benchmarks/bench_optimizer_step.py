@@ -7,12 +7,19 @@ Compile time is measured separately and kept out of the step times.
     python benchmarks/bench_optimizer_step.py --model small   # a quick look (~11 M parameters)
     python benchmarks/bench_optimizer_step.py --device cuda --dtype bf16   # on the GPU, bf16 params
 
+    python benchmarks/bench_optimizer_step.py --rows elementwise        # BertAdam unclipped, torch AdamW variants
+    python benchmarks/bench_optimizer_step.py --rows LAMB,fused=True   # rows whose name contains one of these
+
 On CUDA each step is timed with CUDA events (median of --repeats, default 50), the host time of
 issuing a step is reported too ("host ms": the Python/launch cost, measured without
-synchronizing), and the bandwidth reference is a device-to-device copy. One row exists only
-on CUDA: torch's AdamW with ``torch.compile(opt.step)`` (minutes to compile on a 2-core CPU).
-BertAdam with its default per-parameter clipping (max_grad_norm=1.0) is fused on segmented
-runs (eager: reductions per parameter, elementwise math per run).
+synchronizing), and the bandwidth reference is a device-to-device copy.
+
+BertAdam with the seed's defaults (per-parameter clipping, max_grad_norm=1.0) and LAMB (two
+per-parameter norms) are fused on segmented runs; each is shown beside its per-tensor step and
+``torch.compile(opt.step)``, whose warm-up (the first three steps) includes its compile time.
+"first 3 steps s" is that warm-up: building the optimizer (for fused rows ``fuse_optimizer``: probes,
+flattening), state creation, compilation and one warm step; creating the random parameters is not
+counted. Every row stays alive to be timed round-robin, so the row sets are sized to fit 24 GB.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from importlib import metadata
 import torch
 
 from bagua_integrations import fuse_optimizer, fusion_report
-from bagua_integrations.optim import BertAdam
+from bagua_integrations.optim import BertAdam, Lamb
 
 BYTES_PER_PARAM_ADAM = 28  # read p, g, m, v (16 B) + write p, m, v (12 B), fp32
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CUDA_COPY_MIB = 512  # each of the two buffers of the device-to-device copy
+BASELINE = "BertAdam per-tensor (seed: max_grad_norm=1.0)"
+TORCH_FUSED = "torch AdamW fused=True"
 
 
 def bert_shapes(vocab=30522, hidden=768, layers=12, intermediate=3072, positions=512, labels=2):
@@ -64,51 +73,65 @@ def make_params(shapes, seed=0, device="cpu", dtype=torch.float32):
 
 
 def rows(shapes, device="cpu", dtype=torch.float32):
-    """(name, builder) pairs; each builder returns a zero-argument step function and the optimizer."""
+    """(name, builder) pairs; a builder takes fresh parameters (with gradients) and returns a
+    zero-argument step function and the optimizer."""
 
-    def params():
-        return make_params(shapes, device=device, dtype=dtype)
+    def build_with(make):
+        def rows_for(fuse=None, torch_compile=False):
+            def build(params):
+                opt = make(params)
+                if torch_compile:
+                    return torch.compile(opt.step), opt  # compiles on the first call (in the warm-up)
+                if fuse is None:
+                    return opt.step, opt
+                fuse_optimizer(opt, compile=fuse)
+                return opt.fuse_step, opt
+            return build
+        return rows_for
 
-    def bert_adam(fuse=None, max_grad_norm=-1.0):
-        def build():
-            opt = BertAdam(params(), lr=1e-4, max_grad_norm=max_grad_norm, weight_decay=0.01)
-            if fuse is None:
-                return opt.step, opt
-            fuse_optimizer(opt, compile=fuse)
-            return opt.fuse_step, opt
-        return build
+    bert_adam = build_with(lambda ps: BertAdam(ps, lr=1e-4, weight_decay=0.01))  # seed defaults: max_grad_norm=1.0
+    bert_adam_no_clip = build_with(lambda ps: BertAdam(ps, lr=1e-4, weight_decay=0.01, max_grad_norm=-1.0))
+    lamb = build_with(lambda ps: Lamb(ps, lr=1e-4, weight_decay=0.01))
 
-    def adamw(fuse=None, **kwargs):
-        def build():
-            opt = torch.optim.AdamW(params(), lr=1e-4, weight_decay=0.01, **kwargs)
-            if fuse is None:
-                return opt.step, opt
-            fuse_optimizer(opt, compile=fuse)
-            return opt.fuse_step, opt
-        return build
+    def adamw(fuse=None, torch_compile=False, **kwargs):
+        return build_with(lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **kwargs))(fuse, torch_compile)
 
-    def adamw_torch_compile():
-        def build():
-            opt = torch.optim.AdamW(params(), lr=1e-4, weight_decay=0.01)
-            return torch.compile(opt.step), opt  # compiles on the first call (in the warm-up)
-        return build
-
-    out = [
-        ("BertAdam per-tensor (seed baseline)", bert_adam()),
-        ("BertAdam fused, eager", bert_adam(fuse=False)),
-        ("BertAdam fused, compiled", bert_adam(fuse=True)),
+    return [
+        (BASELINE, bert_adam()),
+        ("BertAdam fused (segmented), eager", bert_adam(fuse=False)),
+        ("BertAdam fused (segmented), compiled", bert_adam(fuse=True)),
+        ("torch.compile(BertAdam.step)", bert_adam(torch_compile=True)),
+        ("LAMB per-tensor", lamb()),
+        ("LAMB fused (segmented), compiled", lamb(fuse=True)),
+        ("torch.compile(Lamb.step)", lamb(torch_compile=True)),
+        ("BertAdam max_grad_norm=-1 per-tensor", bert_adam_no_clip()),
+        ("BertAdam max_grad_norm=-1 fused, eager", bert_adam_no_clip(fuse=False)),
+        ("BertAdam max_grad_norm=-1 fused, compiled", bert_adam_no_clip(fuse=True)),
         ("torch AdamW foreach=False", adamw(foreach=False)),
         ("torch AdamW foreach=True", adamw(foreach=True)),
-        ("torch AdamW fused=True", adamw(fused=True)),
-        ("torch AdamW fused, compiled", adamw(fuse=True)),
+        (TORCH_FUSED, adamw(fused=True)),
+        ("torch AdamW fused by bagua, compiled", adamw(fuse=True)),
+        ("torch.compile(AdamW.step)", adamw(torch_compile=True)),
     ]
-    out[1:1] = [
-        ("BertAdam per-tensor, max_grad_norm=1.0 (seed default)", bert_adam(max_grad_norm=1.0)),
-        ("BertAdam fused, max_grad_norm=1.0, segmented eager", bert_adam(fuse=False, max_grad_norm=1.0)),
-    ]
-    if device == "cuda":
-        out.append(("torch.compile(AdamW.step)", adamw_torch_compile()))
-    return out
+
+
+# Row sets that fit in 24 GB on BERT-base shapes; each also gets the baseline and torch's fused AdamW.
+ROW_SETS = {
+    "seed": ["BertAdam fused (segmented)", "torch.compile(BertAdam.step)", "LAMB", "Lamb"],
+    "elementwise": ["max_grad_norm=-1", "torch AdamW", "torch.compile(AdamW.step)"],
+}
+
+
+def _available_memory() -> int:
+    """Bytes of memory available (Linux ``MemAvailable``), or 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def copy_bandwidth(numel: int, repeats: int = 5) -> float:
@@ -224,6 +247,10 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameters, gradients and state")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per row (median reported); default 5 on cpu, 50 on cuda")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--rows", default="seed",
+                        help="'seed' (default: BertAdam with per-parameter clipping, LAMB, their torch.compile peers), "
+                        "'elementwise' (BertAdam without clipping, torch AdamW variants), 'all' (needs ~28 GB on "
+                        "BERT-base), or comma-separated substrings of row names")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -240,10 +267,20 @@ def main(argv=None):
         bandwidth = cuda_copy_bandwidth()
         print(f"# device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (2 x {CUDA_COPY_MIB} MiB fp32, dst.copy_(src), read + write)")
     built, failed = [], []
-    for name, build in rows(shapes, args.device, dtype):
+    all_rows = rows(shapes, args.device, dtype)
+    wanted = ROW_SETS.get(args.rows) or [w.strip() for w in args.rows.split(",") if w.strip()]
+    chosen = [(name, build) for name, build in all_rows if args.rows == "all" or name in (BASELINE, TORCH_FUSED)
+              or any(w in name for w in wanted)]
+    need = len(chosen) * 4 * numel * dtype.itemsize  # param, grad and two state tensors per row
+    have = 0 if cuda else _available_memory()
+    if have and need > 0.85 * have:
+        parser.error(f"{len(chosen)} rows need about {need / 2**30:.0f} GiB of {have / 2**30:.0f} GiB available "
+                     "(every row stays alive to be timed round-robin): choose fewer with --rows")
+    for name, build in chosen:
+        params = make_params(shapes, device=args.device, dtype=dtype)  # not timed: random numbers take seconds
         started = time.perf_counter()
         try:
-            step, opt = build()
+            step, opt = build(params)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 for _ in range(3):  # state creation, compilation, one warm step
@@ -278,15 +315,15 @@ def main(argv=None):
 
     median = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     host_ms = {name: statistics.median(ts) * 1e3 for name, ts in host.items() if ts}
-    base = median.get("BertAdam per-tensor (seed baseline)")
-    fused_torch = median.get("torch AdamW fused=True")
+    base = median.get(BASELINE)
+    fused_torch = median.get(TORCH_FUSED)
     print()
     if cuda:
-        print(f"| optimizer step | ms / step | host ms | vs BertAdam per-tensor | vs torch AdamW fused=True | effective GB/s ({bytes_per_param} B/param) | % of copy bandwidth | fused tensors / flat runs |")
-        print("|---|---:|---:|---:|---:|---:|---:|---|")
+        print(f"| optimizer step | ms / step | host ms | vs BertAdam per-tensor | vs torch AdamW fused=True | first 3 steps s | effective GB/s ({bytes_per_param} B/param) | % of copy bandwidth | fused tensors / flat runs |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     else:
-        print(f"| optimizer step | ms / step | vs BertAdam per-tensor | vs torch AdamW fused=True | effective GB/s ({bytes_per_param} B/param) | fused tensors / flat runs |")
-        print("|---|---:|---:|---:|---:|---|")
+        print(f"| optimizer step | ms / step | vs BertAdam per-tensor | vs torch AdamW fused=True | first 3 steps s | effective GB/s ({bytes_per_param} B/param) | fused tensors / flat runs |")
+        print("|---|---:|---:|---:|---:|---:|---|")
     results = []
     for name, _, report, setup, _ in built:
         fused = f"{report.fused_params} / {report.flat_runs}" + (" (compiled)" if report.compiled else "") if report else "-"
@@ -298,20 +335,20 @@ def main(argv=None):
                    time_vs_torch_fused=ms / fused_torch if fused_torch else None, warmup_s=setup)
         if cuda:
             share = gbps * 1e9 / bandwidth * 100
-            print(f"| {name} | {ms:.2f} | {host_ms[name]:.2f} | {vs_base} | {vs_torch} | {gbps:.1f} | {share:.0f}% | {fused} |")
+            print(f"| {name} | {ms:.2f} | {host_ms[name]:.2f} | {vs_base} | {vs_torch} | {setup:.1f} | {gbps:.1f} | {share:.0f}% | {fused} |")
             row.update(host_ms=host_ms[name], effective_gbps=gbps, pct_of_copy_bandwidth=share,
                        compile_s=report.compile_seconds if report else None)
         else:
-            print(f"| {name} | {ms:.1f} | {vs_base} | {vs_torch} | {gbps:.1f} | {fused} |")
+            print(f"| {name} | {ms:.1f} | {vs_base} | {vs_torch} | {setup:.1f} | {gbps:.1f} | {fused} |")
         results.append(row)
     for name, reason in failed:
-        print(f"| {name} | failed: {reason} |" + " |" * (6 if cuda else 4))
+        print(f"| {name} | failed: {reason} |" + " |" * (7 if cuda else 5))
         results.append(dict(row=name, failed=reason))
     vs_bound = f"{bound_ms / fused_torch:.2f}x time" if fused_torch else ""
     if cuda:
-        print(f"| memory-bound estimate ({bytes_per_param} B/param at {bandwidth / 1e9:.0f} GB/s, device copy) | {bound_ms:.2f} | | | {vs_bound} | {bandwidth / 1e9:.0f} | 100% | |")
+        print(f"| memory-bound estimate ({bytes_per_param} B/param at {bandwidth / 1e9:.0f} GB/s, device copy) | {bound_ms:.2f} | | | {vs_bound} | | {bandwidth / 1e9:.0f} | 100% | |")
     else:
-        print(f"| memory-bound estimate ({bytes_per_param} B/param at {bandwidth / 1e9:.1f} GB/s, best of copy/triad) | {bound_ms:.1f} | | {vs_bound} | {bandwidth / 1e9:.1f} | |")
+        print(f"| memory-bound estimate ({bytes_per_param} B/param at {bandwidth / 1e9:.1f} GB/s, best of copy/triad) | {bound_ms:.1f} | | {vs_bound} | | {bandwidth / 1e9:.1f} | |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, params=numel, tensors=len(shapes), hardware=hardware(), bound_ms=bound_ms, rows=results,

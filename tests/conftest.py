@@ -7,15 +7,17 @@ this file holds what only pytest uses. One copy of each helper:
 * ``tests/_dist_utils.py``: ``free_port`` (every test that needs a TCP port), gloo ranks.
 * ``tests/_fused_utils.py``: the optimizer matrix of the fused-optimizer and compiled-step tests.
 * ``tests/_fairseq_utils.py``: ``fairseq_available`` / ``requires_fairseq`` and fairseq-train runs.
-* here: ``private_api_guard`` (the ``_torch_compat`` / ``_fairseq_compat`` tests) and the report
-  header naming the versions whose private API those modules use.
+* here: ``private_api_guard`` (the ``_torch_compat`` / ``_fairseq_compat`` tests), the report
+  header naming the versions whose private API those modules use, and a summary line when the
+  run created a framework's default output folder (``checkpoints/``, ...) in the checkout.
 """
 
 from __future__ import annotations
 
 import contextlib
 from importlib import metadata
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Set
 
 import pytest
 
@@ -56,3 +58,28 @@ def private_api_guard():
             pytest.fail(describe(f"{type(exc).__name__}: {exc}"))
 
     return guard
+
+
+# ------------------------------------------------------------------------------ no writes into the checkout
+# Frameworks write to these folders, relative to the working directory, when not told otherwise
+# (fairseq-train probes ./checkpoints even with --no-save; HF Trainer, Hydra, TensorBoard, W&B).
+# An empty folder never shows in `git status`, so a test that leaks one goes unnoticed: report it.
+_REPO = Path(__file__).resolve().parents[1]
+_FRAMEWORK_DEFAULT_DIRS = ("checkpoints", "outputs", "multirun", "runs", "wandb", "lightning_logs", "tmp_trainer", "trainer_output")
+_PRESENT_AT_START: Set[str] = set()
+
+
+def pytest_sessionstart(session):
+    _PRESENT_AT_START.update(name for name in _FRAMEWORK_DEFAULT_DIRS if (_REPO / name).exists())
+
+
+def pytest_terminal_summary(terminalreporter):
+    leaked = [name for name in _FRAMEWORK_DEFAULT_DIRS if (_REPO / name).exists() and name not in _PRESENT_AT_START]
+    if leaked:
+        terminalreporter.write_sep("=", "files written into the repository", red=True)
+        terminalreporter.write_line(
+            f"this test run created {', '.join(n + '/' for n in leaked)} in {_REPO}: a test (or the code it runs) "
+            "writes to a framework's default folder relative to the working directory; give it a tmp_path "
+            "(--save-dir, output_dir, cwd=...)",
+            red=True,
+        )

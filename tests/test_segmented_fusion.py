@@ -26,6 +26,7 @@ import torch
 
 from _fused_utils import TinyNet, assert_same_params, assert_same_state, batches, train, two_groups
 from bagua_integrations import (
+    CompileFallbackWarning,
     FusionError,
     FusionFallbackWarning,
     NotElementwiseError,
@@ -34,7 +35,7 @@ from bagua_integrations import (
     is_fused_optimizer,
 )
 from bagua_integrations import _compile
-from bagua_integrations.optim import BertAdam
+from bagua_integrations.optim import BertAdam, Lamb  # the package's LAMB: fused == its own unfused step
 
 # Targets scaled up so that BertAdam's default per-parameter clip (max_grad_norm=1.0) is live:
 # TinyNet's weight gradients then have norms ~1.1-1.9 (clipped), its biases ~0.3-0.8 (not).
@@ -46,45 +47,6 @@ def loud_batches(steps: int):
 
 
 # =========================================================================== reference optimizers
-class Lamb(torch.optim.Optimizer):
-    """LAMB: bias-corrected Adam direction plus decoupled weight decay, scaled per parameter by
-    the trust ratio ||p|| / ||update|| (1 where either norm is 0). No Python branch on values."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                t = state["step"]
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                m_hat = m / (1 - b1**t)
-                v_hat = v / (1 - b2**t)
-                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
-                w_norm = p.norm()
-                u_norm = update.norm()
-                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                p.sub_(group["lr"] * trust * update)
-        return loss
-
-
 class Lars(torch.optim.Optimizer):
     """SGD momentum with the LARS trust ratio eta * ||p|| / (||g|| + wd * ||p||).
 
@@ -535,15 +497,162 @@ def test_compiled_segmented_step_matches_unfused(name):
     assert report.group_paths == ["segmented", "segmented"], report
 
 
-@pytest.mark.skipif(not _compile.compiler_available(), reason="torch.compile does not work here")
-@pytest.mark.xfail(strict=True, reason="segmented runs step eagerly for now: SegmentedMode traced by Dynamo gave "
-                   "wrong values in a first experiment, so it is not compiled (issue 11 note)")
+needs_compiler = pytest.mark.skipif(not _compile.compiler_available(), reason="torch.compile does not work here")
+
+
+@needs_compiler
 @pytest.mark.parametrize("name", sorted(COMPILED))
 def test_compiled_segmented_step_really_compiles(name):
-    """Records whether the segmented step ran compiled (adjust if it is meant to stay eager)."""
+    """The segmented step runs as compiled kernels: per segmented call (here two: the groups'
+    runs have equal segment counts) one graph, plus one recompile when Dynamo makes the
+    changing int ``step`` symbolic."""
     *_, report = _compiled_run(name)
     assert report.compiled and report.compile_disabled_reason is None, report
-    assert report.compile_graphs <= 3, report
+    assert report.compile_graphs <= 4, report
+
+
+class _ScaledSGD(torch.optim.Optimizer):
+    """``p -= lr * g / scale(p, g)``: a stateless step whose ``scale`` reduces whole parameters."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad / self.scale(p, p.grad))
+
+
+class ReductionZoo(_ScaledSGD):
+    """Every reduction a compiled segmented step knows, on tensors whose alignment padding is
+    not neutral (``p + 1``, ``g - 1``): an unmasked padding would change every value."""
+
+    @staticmethod
+    def scale(p, g):
+        shifted, down = p + 1, g - 1
+        dot = torch.dot(shifted, down) if p.dim() == 1 else (shifted * down).sum()  # dot needs 1-D
+        return (
+            torch.linalg.vector_norm(g) + g.norm(p=1) + torch.linalg.vector_norm(down, float("inf"))
+            + torch.linalg.vector_norm(down, -float("inf")) + torch.linalg.vector_norm(shifted, 3)
+            + torch.linalg.vector_norm(torch.where(g > 0, shifted, 0.0), 0) * 1e-3
+            + shifted.sum() * 1e-3 + shifted.mean() + down.amax() - down.amin() + torch.max(shifted)
+            + torch.min(down) + dot * 1e-3
+        )
+
+
+class OddNet(torch.nn.Module):
+    """fc1's sizes are not multiples of 16, so the flat runs hold alignment padding inside
+    blocks of 16 (each run's end is a multiple of 16, so compiled blocks are 16 long)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(7, 1023)
+        self.fc2 = torch.nn.Linear(1023, 1024)
+        self.fc3 = torch.nn.Linear(1024, 16)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+@needs_compiler
+def test_compiled_segmented_reductions_mask_padding_and_match_unfused():
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 7, generator=gen), torch.randn(8, 16, generator=gen)) for _ in range(5)]
+    a, b = OddNet(), OddNet()
+    plain = ReductionZoo(a.parameters())
+    fused = fuse_optimizer(ReductionZoo(b.parameters()), compile=True)
+    train(a, plain, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a compile fallback would warn
+        train(b, fused, data, step=fused.fuse_step)
+    report = fusion_report(fused)
+    assert report.compiled and report.fused_params == 6 and report.group_paths == ["segmented"], report
+    assert report.group_reasons == [None], report
+    assert_same_params(a, b, rtol=2e-5, atol=1e-6)
+
+
+_INF = float("inf")
+
+
+@needs_compiler
+@pytest.mark.parametrize("name,ord", [("vector_norm", 2.0), ("vector_norm", 1.0), ("vector_norm", 3.0),
+                                      ("vector_norm", _INF), ("vector_norm", -_INF), ("vector_norm", 0.0),
+                                      ("sum", 0.0), ("mean", 0.0), ("amax", 0.0), ("amin", 0.0), ("dot", 0.0)])
+def test_compiled_block_reductions_equal_per_segment_values_and_ignore_padding(name, ord):
+    """The compiled reduction (block partials + segment_combine) against each segment's own
+    eager value, with alignment padding holding values that would change every result."""
+    from bagua_integrations._segmented import Segmentation, _compiled_reduction
+
+    pieces = [(0, 7161, torch.Size([7161])), (7168, 8191, torch.Size([1023])), (8192, 8208, torch.Size([16]))]
+    seg = Segmentation((8208,), pieces)
+    seg.index_blocks(torch.device("cpu"))
+    assert seg.block == 16 and seg.block_valid is not None
+    gen = torch.Generator().manual_seed(0)
+    x, other = torch.zeros(8208), torch.zeros(8208)
+    for tensor in (x, other):
+        tensor[7161:7164] = torch.tensor([1e6, -3e5, 0.0])  # padding: large, negative, zero
+        tensor[8191] = 2e6
+        for start, end, _ in pieces:
+            tensor[start:end] = torch.randn(end - start, generator=gen)
+    torch.compiler.reset()  # one lambda compiled per case: stay clear of Dynamo's recompile limit
+    compiled = torch.compile(lambda a, b: _compiled_reduction(name, ord, a, b, seg), fullgraph=True)
+    got = compiled(x, other if name == "dot" else None).reshape(-1)
+    reference = {
+        "vector_norm": lambda a, b: torch.linalg.vector_norm(a, ord), "sum": lambda a, b: a.sum(),
+        "mean": lambda a, b: a.mean(), "amax": lambda a, b: a.amax(), "amin": lambda a, b: a.amin(),
+        "dot": lambda a, b: torch.dot(a, b),
+    }[name]
+    expected = torch.stack([reference(x[s:e], other[s:e]) for s, e, _ in pieces])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+class StdScaled(_ScaledSGD):
+    """A whole-parameter reduction compiled steps do not know (``std``; ``correction=0`` so a
+    one-element parameter has a value): the eager
+    segmented step handles it; the compiled one must fall back, not compute something else."""
+
+    @staticmethod
+    def scale(p, g):
+        return g.std(correction=0) + 1.0
+
+
+@needs_compiler
+def test_compiled_segmented_step_falls_back_to_eager_on_an_unknown_reduction():
+    data = loud_batches(4)
+    a, b = BigNet(), BigNet()
+    plain = StdScaled(a.parameters())
+    fused = fuse_optimizer(StdScaled(b.parameters()), compile=True)
+    assert fusion_report(fused).group_paths == ["segmented"]
+    x = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(4)]
+    train(a, plain, x)
+    with pytest.warns(CompileFallbackWarning):
+        train(b, fused, x, step=fused.fuse_step)
+    report = fusion_report(fused)
+    assert not report.compiled and report.compile_disabled_reason, report
+    assert_same_params(a, b, rtol=1e-6, atol=1e-7)
+
+
+@needs_compiler
+def test_compiled_segmented_step_keeps_its_graphs_under_a_changing_lr():
+    """BertAdam's own warmup schedule changes the learning rate every step: no recompiles
+    after the first compiled steps, and the numbers stay those of the unfused optimizer."""
+    gen = torch.Generator().manual_seed(5)
+    data = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen) * 20) for _ in range(12)]
+    a, b = BigNet(), BigNet()
+    plain = BertAdam(a.parameters(), lr=1e-3, warmup=0.3, t_total=12)
+    fused = fuse_optimizer(BertAdam(b.parameters(), lr=1e-3, warmup=0.3, t_total=12), compile=True)
+    train(a, plain, data)
+    graphs = []
+    for batch in data:
+        train(b, fused, [batch], step=fused.fuse_step)
+        graphs.append(fusion_report(fused).compile_graphs)
+    report = fusion_report(fused)
+    assert report.compiled and report.compile_disabled_reason is None, report
+    assert graphs[4:] == [graphs[4]] * len(graphs[4:]), graphs
+    assert_same_params(a, b, rtol=2e-5, atol=1e-6)
 
 
 # =========================================================================== refused: value branches, shape math
@@ -574,6 +683,7 @@ def test_value_branches_and_shape_math_fall_back_exactly(name):
     report = fusion_report(fused)
     assert report.fused_params == 0 and report.unfused_params == 4 and report.reasons, report
     assert report.group_paths == ["per-tensor", "per-tensor"], report
+    assert all(reason and "per-parameter reductions" in reason for reason in report.group_reasons), report
 
 
 # =========================================================================== exact or refused by name

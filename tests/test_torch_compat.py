@@ -201,13 +201,112 @@ def test_tensor_version_counts_in_place_changes(private_api):
         assert compat.tensor_version(t) == before + 1, changed(name, "an out-of-place add bumped the version")
 
 
+# ------------------------------------------------------------------------------ register_state_dict_post_hook
+def test_register_state_dict_post_hook_runs_for_submodules_and_edits_in_place(private_api):
+    name = "register_state_dict_post_hook"
+    with private_api(name):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        seen = []
+
+        def hook(module, state_dict, prefix, local_metadata):
+            seen.append(prefix)
+            state_dict[prefix + "weight"] = torch.zeros(2, 2)
+
+        handle = compat.register_state_dict_post_hook(model[1], hook)
+        state = model.state_dict()
+        assert seen == ["1."], changed(name, f"the hook saw prefixes {seen}")
+        assert torch.equal(state["1.weight"], torch.zeros(2, 2)), changed(name, "the in-place edit was lost")
+        assert not torch.equal(state["0.weight"], torch.zeros(2, 2))
+        assert model[1].state_dict(prefix="x.")["x.weight"].eq(0).all(), changed(name, "not run on the module itself")
+        handle.remove()
+        assert not torch.equal(model.state_dict()["1.weight"], torch.zeros(2, 2)), changed(name, "handle.remove() failed")
+
+
 # ------------------------------------------------------------------------------ coverage of the module
 TESTED = {
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
-    "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version",
+    "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "register_state_dict_post_hook",
 }
 
 
 def test_every_compat_function_has_a_test_here():
     untested = sorted(set(compat.__all__) - TESTED)
     assert not untested, f"{WHERE} has function(s) without a test in tests/test_torch_compat.py: {untested}"
+
+
+# ------------------------------------------------------------------------------ default_store, process_group_timeout
+@pytest.fixture
+def one_rank_gloo_group():
+    """A gloo world of one rank in this process, with a 7 s timeout; destroyed afterwards."""
+    import datetime
+
+    import torch.distributed as dist
+    from _dist_utils import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=7))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_default_store_is_the_rendezvous_key_value_store(private_api, one_rank_gloo_group):
+    name = "default_store"
+    with private_api(name):
+        store = compat.default_store()
+        store.set("bagua_integrations/compat", "7")
+        assert store.check(["bagua_integrations/compat"]), changed(name, "a key just set is missing")
+        assert not store.check(["bagua_integrations/never-set"]), changed(name, "check() finds a missing key")
+        assert store.get("bagua_integrations/compat") == b"7", changed(name, "get() returned something else")
+
+
+def test_process_group_timeout_is_the_init_timeout(private_api, one_rank_gloo_group):
+    import datetime
+
+    import torch.distributed as dist
+
+    name = "process_group_timeout"
+    with private_api(name):
+        assert compat.process_group_timeout() == datetime.timedelta(seconds=7), changed(name)
+        assert compat.process_group_timeout(dist.group.WORLD) == datetime.timedelta(seconds=7), changed(name)
+
+
+TESTED.update({"default_store", "process_group_timeout"})
+
+
+# ------------------------------------------------------------------------------ dynamo_dispatches_foreach_to_modes
+def test_dynamo_dispatches_foreach_to_modes_routes_clip_grad_norm_through_a_traced_mode(private_api):
+    """Traced by Dynamo, a torch function mode must see clip_grad_norm_'s ``_foreach_norm``
+    and ``_foreach_mul_``, as it does in eager (without the compat call it does not)."""
+    from torch.overrides import TorchFunctionMode
+
+    name = "dynamo_dispatches_foreach_to_modes"
+
+    class Doubling(TorchFunctionMode):  # foreach norms come back doubled: visible in the result
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return [t * 2 for t in out] if func is torch._foreach_norm else out
+
+    def clip(p):
+        with Doubling():
+            torch.nn.utils.clip_grad_norm_([p], 1.0, foreach=True)
+        return p.grad
+
+    def param():
+        p = torch.nn.Parameter(torch.zeros(4))
+        p.grad = torch.full((4,), 3.0)
+        return p
+
+    with private_api(name):
+        compat.dynamo_dispatches_foreach_to_modes()
+        torch.compiler.reset()
+        eager = clip(param())  # norm 6 doubled to 12: scaled by 1/12
+        compiled = torch.compile(clip, fullgraph=True, backend="eager")(param())
+        assert torch.allclose(eager, torch.full((4,), 0.25)), changed(name, f"eager clip gave {eager}")
+        assert torch.allclose(compiled, eager), changed(name, f"the traced mode missed _foreach_norm: {compiled}")
+
+
+TESTED.add("dynamo_dispatches_foreach_to_modes")

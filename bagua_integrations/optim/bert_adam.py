@@ -2,8 +2,9 @@
 
 It differs from ``torch.optim.AdamW`` in three ways that matter here: no bias correction,
 decoupled weight decay added to the update, and an optional per-parameter gradient clip
-(``max_grad_norm``), which makes it *not* elementwise. With ``max_grad_norm <= 0`` it is
-elementwise and fuses exactly; with clipping on, ``fuse_optimizer`` refuses it.
+(``max_grad_norm``, on by default), which makes it *not* elementwise: ``fuse_optimizer``
+fuses it on the segmented path (each parameter's norm computed per parameter over the flat
+buffers). With ``max_grad_norm <= 0`` it is elementwise and takes the plain flat path.
 """
 
 from __future__ import annotations
