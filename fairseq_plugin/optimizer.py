@@ -222,9 +222,13 @@ class BaguaFusedOptimizer(FairseqOptimizer):
                 f"{self.base_name}; resume with the same base or pass --reset-optimizer"
             )
         algorithm_state = state_dict.pop("bagua_algorithm", None)
+        if self.algorithm is not None and algorithm_state is not None:
+            # fairseq saves rank 0's optimizer state and every rank loads it: refused (CheckpointError, on
+            # every rank) where the algorithm lets ranks' weights or optimizer state differ
+            self.algorithm.check_resume(algorithm_state, shared=True, optimizer_state=state_dict)
         self.base_optimizer.load_state_dict(state_dict, optimizer_overrides)
         if self.algorithm is not None and algorithm_state is not None:
-            self.algorithm.load_state_dict(algorithm_state)
+            self.algorithm.load_state_dict(algorithm_state, shared=True, optimizer_state=state_dict)
 
     def backward(self, loss):
         self.base_optimizer.backward(loss)

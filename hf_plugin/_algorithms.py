@@ -111,6 +111,30 @@ class AlgorithmAttachment:
     def wraps(self, model: Any) -> bool:
         return find_ddp(model) is self.ddp
 
+    # checkpoints: this rank's own state (algorithm counters, and where replicas differ its optimizer
+    # state and weights), written by every rank; the logic is the core's AlgorithmSession
+    def rank_state_dict(self) -> dict:
+        """This rank's own state (the Trainer callback writes one file per rank)."""
+        return self.session.rank_state_dict(self.ddp.module)
+
+    def load_rank_state_dict(self, state: dict) -> bool:
+        return self.session.load_rank_state_dict(state, self.ddp.module)
+
+    def state_dict(self) -> dict:
+        """Every rank's :meth:`rank_state_dict`, gathered (Accelerate's ``register_for_checkpointing``
+        writes one file from the main process; ``save_state`` runs on every rank)."""
+        ranks = [None] * comm.world_size(self.session.group)
+        torch.distributed.all_gather_object(ranks, self.rank_state_dict(), group=self.session.group)
+        return {"ranks": ranks}
+
+    def load_state_dict(self, state: dict) -> bool:
+        """This rank's entry of :meth:`state_dict` (refused by name if the world size changed)."""
+        ranks = state["ranks"]
+        if len(ranks) != comm.world_size(self.session.group):
+            self.session.check_resume(ranks[0]["algorithm"])  # raises CheckpointError where replicas differ
+            return self.load_rank_state_dict(ranks[0])
+        return self.load_rank_state_dict(ranks[comm.rank(self.session.group)])
+
     def after_optimizer_step(self, step: Optional[int] = None) -> bool:
         """Count the update; model algorithms communicate weights here. Returns whether they did."""
         return self.session.after_update(step)

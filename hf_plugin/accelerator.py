@@ -114,6 +114,10 @@ def prepare(
         if attachment is not None and attachment.needs_step_callback:
             _run_after_step(wrapped_optimizer, attachment)
         wrapped_model.bagua_attachment = attachment
+        if attachment is not None:
+            # save_state / load_state write and read every rank's own algorithm state (and, where
+            # replicas differ, its optimizer state and weights): custom_checkpoint_{i}.pkl per process
+            accelerator.register_for_checkpointing(attachment)
     return prepared
 
 

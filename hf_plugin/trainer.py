@@ -14,6 +14,7 @@ before the first backward.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional
 
 import torch
@@ -63,6 +64,31 @@ class BaguaAlgorithmCallback(TrainerCallback):
         if self.attachment is not None and self.attachment.wraps(wrapped):
             return  # a second train() call on the same DDP model: the hook is already in place
         self.attachment = attach_algorithm(self.algorithm, wrapped, optimizer=trainer.optimizer)
+        if self.attachment is not None and state.global_step > 0:
+            self._resume(args, state)
+
+    # Trainer writes its checkpoint (model, optimizer.pt) from rank 0 only; under an algorithm whose
+    # replicas differ each rank's weights and optimizer state are its own, so every rank also writes
+    # ``bagua_rank{r}.pt`` into the checkpoint folder, and reads it back when training resumes.
+    def on_save(self, args, state, control, **kwargs):
+        if self.attachment is None:
+            return
+        folder = _checkpoint_folder(args, state)
+        os.makedirs(folder, exist_ok=True)
+        torch.save(self.attachment.rank_state_dict(), os.path.join(folder, _rank_file()))
+
+    def _resume(self, args, state) -> None:
+        path = os.path.join(_checkpoint_folder(args, state), _rank_file())
+        if os.path.exists(path):
+            self.attachment.load_rank_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        elif self.attachment.session.replicas_differ:
+            from bagua_integrations.distributed import CheckpointError
+
+            raise CheckpointError(
+                f"resuming at step {state.global_step} under {self.attachment.session.name}, whose ranks' weights "
+                f"and optimizer state differ, but {path} (this rank's own state) is missing: Trainer saved only "
+                "rank 0's. Resume from a checkpoint written with the Bagua callback attached, or start afresh"
+            )
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.attachment is None:
@@ -71,6 +97,18 @@ class BaguaAlgorithmCallback(TrainerCallback):
         # (model algorithms keep gradients local, so ranks may skip differently): the collectives
         # must match. Trainer increments global_step after this event, so this is update n+1.
         self.attachment.after_optimizer_step(step=state.global_step + 1)
+
+
+def _checkpoint_folder(args, state) -> str:
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+def _rank_file() -> str:
+    from bagua_integrations.distributed import comm
+
+    return f"bagua_rank{comm.rank()}.pt"
 
 
 def use_bagua_algorithm(trainer: Trainer, algorithm: Any, **algorithm_kwargs: Any) -> BaguaAlgorithmCallback:

@@ -108,7 +108,8 @@ def test_state_dict_round_trip():
     for _ in range(4):
         session.after_update()
     state = session.state_dict()
-    assert state == {"name": "decentralized", "num_updates": 4, "algorithm": {"num_updates": 4}}
+    single = {"rank": 0, "world_size": 1, "weights_differ": False, "replicas_differ": False}
+    assert state == {"name": "decentralized", "num_updates": 4, "algorithm": {"num_updates": 4, "rounds": 0}, **single}
 
     again = AlgorithmSession(get_algorithm("decentralized", communication_interval=3), optimizer=optimizer)
     assert again.load_state_dict(state)
@@ -118,7 +119,7 @@ def test_state_dict_round_trip():
     # a gradient algorithm has no state of its own but the counter travels
     grad = AlgorithmSession(get_algorithm("bytegrad"), optimizer=optimizer)
     grad.after_update()
-    assert grad.state_dict() == {"name": "bytegrad", "num_updates": 1, "algorithm": {}}
+    assert grad.state_dict() == {"name": "bytegrad", "num_updates": 1, "algorithm": {}, **single}
 
 
 def test_a_checkpoint_of_another_algorithm_is_not_restored(caplog):

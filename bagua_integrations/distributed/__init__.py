@@ -3,7 +3,9 @@
 Gradient algorithms (``gradient_allreduce``, ``bytegrad``) average gradients in buckets
 during backward; model algorithms (``decentralized``, ``bmuf``) change the weights after the
 optimizer step. Every algorithm also works without ``bagua_init`` for frameworks that own
-their training loop (see ``docs/distributed.md``).
+their training loop (see ``docs/distributed.md``). Uneven inputs: ``with model.join():``
+(torch's ``Join``); a collective stuck on a missing peer warns (``CollectiveStallWarning``)
+before it fails (``CommunicationError``).
 """
 
 from .algorithms import (
@@ -20,11 +22,14 @@ from .algorithms import (
     list_algorithms,
     register_algorithm,
 )
-from .comm import NodeGroups, WireMeter, collective_log
+from .comm import NodeGroups, WireMeter, collective_log, set_stall_warning, stall_warning_seconds
 from .errors import (
     AlgorithmConfigError,
+    CheckpointError,
+    CollectiveStallWarning,
     CommunicationError,
     DistributedError,
+    JoinError,
     ModelMismatchError,
     ReducerStateError,
     UnknownAlgorithmError,
@@ -68,10 +73,15 @@ __all__ = [
     "NodeGroups",
     "WireMeter",
     "collective_log",
+    "set_stall_warning",
+    "stall_warning_seconds",
     "DistributedError",
     "UnknownAlgorithmError",
     "AlgorithmConfigError",
     "ModelMismatchError",
     "CommunicationError",
     "ReducerStateError",
+    "JoinError",
+    "CheckpointError",
+    "CollectiveStallWarning",
 ]

@@ -2,19 +2,29 @@
 
 Everything here degrades to a no-op when there is no process group (or it has one rank),
 so single-process users and tests never need ``init_process_group``.
+
+Every collective this package issues is launched and waited for here, so this is also where
+a stuck collective is noticed (:func:`wait`): a CPU (gloo) collective that has waited longer
+than the stall interval (``BAGUA_STALL_WARNING_SECONDS``, default 60 s, or
+:func:`set_stall_warning`) emits a :class:`CollectiveStallWarning` naming the collective and
+the ranks that have not arrived, and keeps waiting: it raises :class:`CommunicationError` only
+at the timeout (``bagua_init(timeout=...)``, else the process group's).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
+import warnings
 from collections import Counter
-from typing import Callable, Generator, List, Optional, Union
+from typing import Callable, Dict, Generator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .errors import AlgorithmConfigError, CommunicationError, DistributedError
+from .. import _torch_compat
+from .errors import AlgorithmConfigError, CollectiveStallWarning, CommunicationError, DistributedError
 
 __all__ = [
     "is_distributed",
@@ -28,6 +38,9 @@ __all__ = [
     "hierarchical",
     "collective_log",
     "WireMeter",
+    "STALL_WARNING_ENV",
+    "set_stall_warning",
+    "stall_warning_seconds",
 ]
 
 Timeout = Union[None, float, int, datetime.timedelta]
@@ -94,15 +107,53 @@ class CollectiveLog:
 collective_log = CollectiveLog()
 
 
+# ---------------------------------------------------------------------- which collective, on which group
+class _GroupInfo:
+    """What the stall watchdog needs to know about a process group: a name every rank agrees
+    on, its global ranks, and how many collectives of this package were launched on it."""
+
+    __slots__ = ("group", "key", "ranks", "seq")
+
+    def __init__(self, group):
+        self.group = group
+        pg = dist.group.WORLD if group is None else group
+        self.key = str(getattr(pg, "group_name", None) or ",".join(map(str, group_ranks(group))))
+        self.ranks = group_ranks(group)
+        self.seq = 0  # the same count on every rank of the group: collectives are launched in one order
+
+
+_groups: Dict[object, Tuple[object, _GroupInfo]] = {}
+# (id(work), group info, sequence number) of the newest collective launched by this process
+_last_launch: Optional[Tuple[int, _GroupInfo, int]] = None
+
+
+def _launched(work, group, tensor: torch.Tensor):
+    """Number the collective ``work`` on its group, for the stall watchdog (CPU collectives only)."""
+    global _last_launch
+    if tensor.device.type != "cpu":  # waits on GPU collectives do not block the CPU; NCCL has its own watchdog
+        _last_launch = None
+        return work
+    if group is dist.group.WORLD:
+        group = None
+    cached = _groups.get(group)
+    if cached is None or cached[0] is not dist.group.WORLD:  # a new process group since
+        cached = (dist.group.WORLD, _GroupInfo(group))
+        _groups[group] = cached
+    info = cached[1]
+    info.seq += 1
+    _last_launch = (id(work), info, info.seq)
+    return work
+
+
 # ---------------------------------------------------------------------- async collectives
 def all_reduce(tensor, group=None, op=None):
     collective_log.record("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=True)
+    return _launched(dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=True), group, tensor)
 
 
 def reduce(tensor, dst: int, group=None):
     collective_log.record("reduce", tensor)
-    return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _launched(dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True), group, tensor)
 
 
 def average(flat: torch.Tensor, group=None) -> Stages:
@@ -117,12 +168,12 @@ def average(flat: torch.Tensor, group=None) -> Stages:
 
 def broadcast(tensor, src: int, group=None):
     collective_log.record("broadcast", tensor)
-    return dist.broadcast(tensor, src=src, group=group, async_op=True)
+    return _launched(dist.broadcast(tensor, src=src, group=group, async_op=True), group, tensor)
 
 
 def all_to_all(output, inp, group=None):
     collective_log.record("all_to_all", inp)
-    return dist.all_to_all_single(output, inp, group=group, async_op=True)
+    return _launched(dist.all_to_all_single(output, inp, group=group, async_op=True), group, inp)
 
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -130,14 +181,14 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 def all_gather(output, inp, group=None):
     collective_log.record("all_gather", inp)
-    return _all_gather_flat(output, inp, group=group, async_op=True)
+    return _launched(_all_gather_flat(output, inp, group=group, async_op=True), group, inp)
 
 
 def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group=None):
     """Send ``send`` to global rank ``peer`` and receive its tensor into ``recv``."""
     collective_log.record("exchange", send)
     ops = [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
-    return _AllOf(dist.batch_isend_irecv(ops))
+    return _launched(_AllOf(dist.batch_isend_irecv(ops)), group, send)
 
 
 class _AllOf:
@@ -151,20 +202,170 @@ class _AllOf:
             work.wait() if timeout is None else work.wait(timeout)
         return True
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
 
 # ---------------------------------------------------------------------- waiting with a deadline
-def wait(work, timeout: Timeout, what: str) -> None:
-    """Wait for ``work``; a peer failure or timeout becomes a :class:`CommunicationError`."""
+STALL_WARNING_ENV = "BAGUA_STALL_WARNING_SECONDS"
+DEFAULT_STALL_WARNING_SECONDS = 60.0
+ARRIVAL_MARK_SECONDS = 1.0  # a wait longer than this tells the store that this rank has arrived
+_ARRIVAL_KEY = "bagua_integrations/arrived/{group}/{rank}"
+_UNSET = object()
+_stall_override = _UNSET
+_stall_from_env = _UNSET  # BAGUA_STALL_WARNING_SECONDS, read at the first wait (and again after set_stall_warning())
+
+
+def _non_negative_or_none(seconds) -> Optional[float]:
+    if seconds is None:
+        return None
+    seconds = float(seconds)
+    if seconds != seconds or seconds < 0:
+        raise AlgorithmConfigError(f"the stall warning interval must be >= 0 seconds (0: off), got {seconds!r}")
+    return seconds or None
+
+
+def set_stall_warning(seconds: Union[None, float, int, datetime.timedelta] = _UNSET) -> None:
+    """Warn (:class:`CollectiveStallWarning`) when a collective has waited ``seconds`` for its peers.
+
+    ``0`` or ``None`` turns the warning off; calling it without an argument goes back to
+    ``BAGUA_STALL_WARNING_SECONDS`` (read again; default 60). Process-wide; nothing is ever
+    aborted by it: a stuck collective raises :class:`CommunicationError` only at the timeout.
+    """
+    global _stall_override, _stall_from_env
+    if isinstance(seconds, datetime.timedelta):
+        seconds = seconds.total_seconds()
+    _stall_override = _UNSET if seconds is _UNSET else _non_negative_or_none(seconds)
+    _stall_from_env = _UNSET
+
+
+def stall_warning_seconds() -> Optional[float]:
+    """The current stall warning interval in seconds (None: off)."""
+    global _stall_from_env
+    if _stall_override is not _UNSET:
+        return _stall_override
+    if _stall_from_env is _UNSET:
+        raw = os.environ.get(STALL_WARNING_ENV, "").strip()
+        try:
+            _stall_from_env = _non_negative_or_none(raw) if raw else DEFAULT_STALL_WARNING_SECONDS
+        except (ValueError, AlgorithmConfigError):
+            raise AlgorithmConfigError(
+                f"{STALL_WARNING_ENV}={raw!r}: expected seconds >= 0 (0 turns the stall warning off)"
+            ) from None
+    return _stall_from_env
+
+
+def _site_of(work) -> Optional[Tuple[_GroupInfo, int]]:
+    """The group and number of ``work`` if it is the collective launched last (else None: not watched).
+
+    Consumes the record, so a later work that was not launched here is never mistaken for it.
+    """
+    global _last_launch
+    last, _last_launch = _last_launch, None
+    if work is None or last is None or last[0] != id(work):
+        return None
+    return last[1], last[2]
+
+
+def wait(work, timeout: Timeout, what: str, site: Optional[Tuple[_GroupInfo, int]] = None) -> None:
+    """Wait for ``work``; a peer failure or timeout becomes a :class:`CommunicationError`.
+
+    With ``site`` (the group and number :class:`Pending` got at launch) a wait longer than the
+    stall interval warns first, naming ``what`` and the ranks that have not arrived.
+    """
     delta = as_timedelta(timeout)
     try:
-        if delta is None:
-            work.wait()
+        warn_after = stall_warning_seconds() if site is not None else None
+        if warn_after is None or (delta is not None and delta.total_seconds() <= warn_after):
+            if delta is None:
+                work.wait()
+            else:
+                work.wait(delta)
         else:
-            work.wait(delta)
+            _watched_wait(work, delta, what, site, warn_after)
     except DistributedError:
         raise
     except RuntimeError as error:
         raise _communication_error(what, error, delta) from error
+
+
+def _wait_for(work, seconds: float) -> bool:
+    """Wait up to ``seconds``; True once done, False if still running; a failure raises."""
+    try:
+        work.wait(datetime.timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except RuntimeError:
+        if not work.is_completed():
+            return False  # only this wait timed out; the collective goes on
+    work.wait()  # completed meanwhile, or failed: returns, or raises the real error
+    return True
+
+
+def _watched_wait(work, delta, what: str, site, warn_after: float) -> None:
+    start = time.monotonic()
+    mark = min(ARRIVAL_MARK_SECONDS, warn_after / 2)
+    if _wait_for(work, mark):
+        return
+    info, seq = site
+    store = _mark_arrival(info, seq)
+    if _wait_for(work, warn_after - (time.monotonic() - start)):
+        return
+    waited = time.monotonic() - start
+    warnings.warn(CollectiveStallWarning(_stall_message(what, info, seq, store, waited, delta)), stacklevel=4)
+    if delta is None:
+        work.wait()  # the backend raises at the process group's timeout
+    else:
+        remaining = delta.total_seconds() - (time.monotonic() - start)
+        work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
+
+
+def _mark_arrival(info: _GroupInfo, seq: int):
+    """Tell the other ranks (through the rendezvous store) that this rank waits in collective ``seq``."""
+    try:
+        store = _torch_compat.default_store()
+        store.set(_ARRIVAL_KEY.format(group=info.key, rank=rank()), str(seq))
+        return store
+    except Exception:  # noqa: BLE001 - the warning then says "unknown"
+        return None
+
+
+def _missing_ranks(store, info: _GroupInfo, seq: int) -> Optional[List[int]]:
+    if store is None:
+        return None
+    try:
+        missing = []
+        for peer in info.ranks:
+            key = _ARRIVAL_KEY.format(group=info.key, rank=peer)
+            if not store.check([key]) or store.get(key).decode() != str(seq):
+                missing.append(peer)
+        return missing
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _stall_message(what: str, info: _GroupInfo, seq: int, store, waited: float, delta) -> str:
+    missing = _missing_ranks(store, info, seq)
+    if missing is None:
+        who = "which ranks have not arrived is unknown (no rendezvous store)"
+    elif missing:
+        who = f"rank(s) {missing} of {info.ranks} have not arrived"
+    else:
+        who = f"every rank of {info.ranks} has arrived, the transfer itself is slow or broken"
+    if delta is not None:
+        limit = f"at the timeout, {delta.total_seconds():g}s after it started (bagua_init(timeout=...))"
+    else:
+        try:
+            limit = f"at the process group's timeout ({_torch_compat.process_group_timeout(info.group).total_seconds():g}s)"
+        except Exception:  # noqa: BLE001
+            limit = "at the process group's timeout"
+    return (
+        f"{what} has waited {waited:.0f}s on rank {rank()} (collective #{seq} of bagua_integrations on process "
+        f"group {info.key!r}): {who}. A rank that is still computing (compiling its first step, loading or "
+        "saving a checkpoint) arrives late; one that ran out of data and waits elsewhere (dist.barrier(), "
+        "an all_reduce of a metric, the end of the script) never will: train under `with model.join():` "
+        f"for uneven inputs. Nothing is aborted; it raises CommunicationError {limit}. "
+        f"{STALL_WARNING_ENV} (now {stall_warning_seconds():g}s) sets when this warning comes, 0 turns it off."
+    )
 
 
 def _communication_error(what: str, error: BaseException, delta) -> CommunicationError:
@@ -188,11 +389,14 @@ class Pending:
         self.what = what
         self.timeout = timeout
         self._stages = stages
+        self._site = None
         self._work = self._next()
 
     def _next(self):
         try:
-            return next(self._stages, None)
+            work = next(self._stages, None)
+            self._site = _site_of(work)
+            return work
         except DistributedError:
             raise
         except RuntimeError as error:
@@ -204,7 +408,7 @@ class Pending:
 
     def wait(self) -> None:
         while self._work is not None:
-            wait(self._work, self.timeout, self.what)
+            wait(self._work, self.timeout, self.what, self._site)
             self._work = self._next()
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable
 
 from . import comm
 from .algorithms import Algorithm, accepted_kwargs, get_algorithm
-from .errors import AlgorithmConfigError, DistributedError
+from .errors import AlgorithmConfigError, DistributedError, JoinError
+from .join import FORWARD, STEP, BaguaJoinHook, exchange_header, last_joiner
 from .reducer import Reducer
 from .session import AlgorithmSession
 from .sync import allreduce_optimizer_state, allreduce_parameters, broadcast_buffers, broadcast_parameters
@@ -54,7 +58,7 @@ class StepHooks:
         self.handles = []
 
 
-class BaguaModule(torch.nn.Module):
+class BaguaModule(torch.nn.Module, Joinable):
     """A model replicated over ranks and kept consistent by one distributed algorithm.
 
     Built by :func:`bagua_init`. ``forward`` runs the wrapped module (broadcasting buffers
@@ -62,6 +66,10 @@ class BaguaModule(torch.nn.Module):
     ``backward``; model algorithms act right after ``optimizer.step()`` / ``fuse_step()``.
     ``.module`` / :meth:`unwrap` give the plain model back; :meth:`no_sync` accumulates
     gradients locally.
+
+    Uneven inputs: it is a torch ``Joinable``, so ``with model.join():`` (or
+    ``with Join([model]):``) lets ranks run out of data at different times, as with DDP
+    (see :mod:`.join`).
     """
 
     def __init__(
@@ -77,8 +85,12 @@ class BaguaModule(torch.nn.Module):
         find_unused_parameters: bool = True,
         timeout: comm.Timeout = None,
         sync_initial_weights: bool = True,
+        algorithm_state: Optional[dict] = None,
     ):
         super().__init__()
+        Joinable.__init__(self)
+        self._joining = False  # a join context built this module's hook and has not finished yet
+        self._join_divide = False
         if isinstance(module, (BaguaModule, ModelSwitchWrapper)):
             raise AlgorithmConfigError(
                 "this model is already wrapped by bagua_init; pass wrapped.unwrap(), or use "
@@ -112,9 +124,14 @@ class BaguaModule(torch.nn.Module):
                 find_unused_parameters=find_unused_parameters,
                 timeout=self.timeout,
             )
+        if (algorithm_state is not None or getattr(algorithm, "has_pending_state", False)) and algorithm.replicas_differ:
+            # A resume under an algorithm whose replicas legitimately differ: every rank loaded its
+            # own weights, and rank 0's must not overwrite them. (At a fresh start they are broadcast.)
+            sync_initial_weights = False
         try:
             self.session = AlgorithmSession(
                 algorithm,
+                state=algorithm_state,
                 optimizer=self.optimizers,
                 model=module,
                 group=process_group,
@@ -130,17 +147,154 @@ class BaguaModule(torch.nn.Module):
             if self.reducer is not None:  # keeps a rank that skipped backward in step with the others
                 self._handles.append(opt.register_step_pre_hook(lambda *_: self.reducer.before_step()))
             if self.session.acts_after_step:
-                self._handles.append(self.session.install_step_hook(opt))
+                self._handles.append(opt.register_step_post_hook(lambda *_: self._after_step()))
+        # weights loaded after bagua_init (wrapped.module.load_state_dict, the DDP order): e.g. BMUF's
+        # global model follows them unless its own state is restored too
+        self._handles.append(module.register_load_state_dict_post_hook(lambda *_: self.algorithm.weights_loaded()))
+
+    # ------------------------------------------------------------------ checkpoints
+    def algorithm_state_dict(self) -> dict:
+        """This rank's algorithm state for a checkpoint (counters, peer round, BMUF's global model, ...).
+
+        Save it with this rank's model and optimizer state: under algorithms whose replicas
+        differ (``self.algorithm.replicas_differ``: decentralized, bmuf) **every rank** saves its
+        own file, e.g. ``torch.save({"model": wrapped.module.state_dict(), "optimizer":
+        optimizer.state_dict(), "algorithm": wrapped.algorithm_state_dict()}, f"ckpt.rank{rank}.pt")``.
+        Restore with :meth:`load_algorithm_state_dict` after ``bagua_init``, or pass it as
+        ``bagua_init(..., algorithm_state=...)`` when the model and optimizer were loaded first.
+        """
+        if self.session is None:
+            return {"name": self.algorithm.name, "num_updates": 0, "algorithm": {}, "rank": 0, "world_size": 1,
+                    "weights_differ": False, "replicas_differ": False}
+        return self.session.state_dict()
+
+    def load_algorithm_state_dict(self, state: dict, *, shared: bool = False) -> bool:
+        """Restore :meth:`algorithm_state_dict` (any time before the next step); returns whether it did.
+
+        ``shared=True``: the same (one rank's) state is loaded on every rank; refused with
+        :class:`CheckpointError` where the algorithm lets replicas differ. Without a process
+        group there is nothing to restore.
+        """
+        if self.session is None:
+            return False
+        return self.session.load_state_dict(state, shared=shared)
 
     # ------------------------------------------------------------------ nn.Module
     def forward(self, *args, **kwargs):
-        if self.distributed and torch.is_grad_enabled():
-            if self.broadcast_buffers and self.module.training:
-                broadcast_buffers(self.module, group=self.process_group, timeout=self.timeout)
-            if self.reducer is not None and self.reducer.enabled and self.module.training:
+        if self.distributed and torch.is_grad_enabled() and self.module.training:
+            join = self._join_event(FORWARD) if self._join_config.enable and self._joining else None
+            if self.broadcast_buffers:
+                src = join.src if join is not None else 0
+                broadcast_buffers(self.module, src=src, group=self.process_group, timeout=self.timeout)
+            if self.reducer is not None and self.reducer.enabled:
                 self.reducer.check_not_interrupted()
                 self.reducer.expecting_backward = True
+                self.reducer.join_state = join
         return self.module(*args, **kwargs)
+
+    def _after_step(self) -> None:
+        """The optimizer step post-hook of model algorithms: the algorithm's communication."""
+        join = self._join_event(STEP) if self._join_config.enable and self._joining else None
+        self.session.algorithm.join_state = join
+        try:
+            self.session.after_update()
+        finally:
+            self.session.algorithm.join_state = None
+
+    # ------------------------------------------------------------------ uneven inputs (torch Join)
+    def join(self, divide_by_initial_world_size: bool = False, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """``with model.join():`` around the training loop lets ranks run out of data at different times.
+
+        The same as ``with Join([model], enable, throw_on_early_termination,
+        divide_by_initial_world_size=...)`` (``torch.distributed.algorithms.Join``). A rank
+        that has finished its data shadows the collectives of the others until every rank
+        is done, so nobody hangs. Gradients (and weights under model averaging) are averaged
+        over the ranks that still have data; ``divide_by_initial_world_size=True`` divides
+        summed gradients by the full world size instead (DDP's default). Once all ranks are
+        done, under a gradient algorithm the ranks that finished early take the final weights
+        of one of the last ranks. Only this model's collectives are shadowed: other
+        collectives inside the loop (a metric ``all_reduce``, ``dist.barrier()``) belong after it.
+        Without a process group it is a no-op context.
+        """
+        if not self.distributed:
+            return contextlib.nullcontext()
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> BaguaJoinHook:
+        """The hook torch's ``Join`` calls on a rank that ran out of data (``divide_by_initial_world_size=``)."""
+        self._joining = True
+        self._join_divide = bool(kwargs.get("divide_by_initial_world_size", False))
+        return BaguaJoinHook(self, self._join_divide)
+
+    @property
+    def join_device(self) -> torch.device:
+        return comm.small_tensor_device(self.process_group)
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD if self.process_group is None else self.process_group
+
+    def _forward_communicates(self) -> bool:
+        return self.reducer is not None or (self.broadcast_buffers and any(True for _ in self.module.buffers()))
+
+    def _check_joinable(self) -> None:
+        if not self._join_config.is_first_joinable:
+            raise JoinError(
+                "under Join the wrapped model must be the first joinable (Join([model, ...]) or model.join()): "
+                "its events are what ranks that ran out of data shadow"
+            )
+        validate = getattr(self.algorithm, "validate_join", None)
+        if validate is not None:
+            validate(self.process_group)
+
+    def _join_event(self, event: int):
+        """On a rank with data, under Join: notify the join context, then the header all-reduce."""
+        if event == FORWARD and not self._forward_communicates():
+            return None  # a model algorithm's forward without buffers to broadcast communicates nothing
+        self._check_joinable()
+        if event == FORWARD and self.reducer is not None:
+            self.reducer.flush()  # a forward whose reduction never ran must not shift the next one
+        Join.notify_join_context(self)
+        sync = event == FORWARD and self.reducer is not None and self.reducer.enabled
+        step = self.session.num_updates + 1 if event == STEP else 0
+        return exchange_header(self.process_group, self.timeout, event=event, sync=sync, step=step,
+                               divide_by_initial_world_size=self._join_divide)
+
+    def _shadow_join_event(self, divide_by_initial_world_size: bool) -> None:
+        """On a rank that ran out of data: the collectives of the other ranks' next event."""
+        if not self.distributed:
+            return
+        self._check_joinable()
+        state = exchange_header(self.process_group, self.timeout, joined=True,
+                                divide_by_initial_world_size=divide_by_initial_world_size)
+        if state.event == FORWARD:
+            if self.broadcast_buffers:
+                broadcast_buffers(self.module, src=state.src, group=self.process_group, timeout=self.timeout)
+            if state.sync:
+                if self.reducer is None:
+                    raise JoinError("the ranks with data average gradients but this rank's algorithm does not")
+                self.reducer.shadow(state)
+        elif state.event == STEP:
+            if not self.session.acts_after_step:
+                raise JoinError("the ranks with data run a model algorithm's step but this rank's algorithm has none")
+            self.session.algorithm.join_state = state
+            try:
+                self.session.after_update(step=state.step)
+            finally:
+                self.session.algorithm.join_state = None
+
+    def _finish_join(self, is_last_joiner: bool) -> None:
+        """After every rank joined: gradient algorithms give the early finishers the final weights."""
+        self._joining = False
+        if not self.distributed:
+            return
+        if self.reducer is not None:
+            src = last_joiner(self.process_group, self.timeout, is_last_joiner)
+            if src is not None:
+                broadcast_parameters(self.module, self.broadcast_buffers, src=src, group=self.process_group,
+                                     timeout=self.timeout)
 
     def unwrap(self) -> torch.nn.Module:
         """The plain model."""
@@ -201,6 +355,7 @@ def bagua_init(
     process_group=None,
     find_unused_parameters: bool = True,
     timeout: comm.Timeout = None,
+    algorithm_state: Optional[dict] = None,
     **algorithm_kwargs,
 ):
     """Make ``module`` data parallel with ``distributed_algorithm``; return ``(wrapped_model, optimizer)``.
@@ -223,6 +378,10 @@ def bagua_init(
             tiny allreduce per backward); with False they receive averaged zeros.
         timeout: longest wait for any collective (seconds or timedelta) before raising
             :class:`CommunicationError`; default: the process group's timeout.
+        algorithm_state: resume: this rank's ``wrapped.algorithm_state_dict()`` from the
+            checkpoint, when the model and optimizer state were loaded before ``bagua_init``.
+            For algorithms whose replicas differ (``algorithm.replicas_differ``) rank 0's
+            weights are then not broadcast: each rank keeps the weights it loaded.
 
     Without a process group (or with one rank) the model runs plainly.
     """
@@ -237,11 +396,12 @@ def bagua_init(
         process_group=process_group,
         find_unused_parameters=find_unused_parameters,
         timeout=timeout,
+        algorithm_state=algorithm_state,
     )
     return wrapped, optimizer
 
 
-class ModelSwitchWrapper(torch.nn.Module):
+class ModelSwitchWrapper(torch.nn.Module, Joinable):
     """A model whose distributed algorithm can change mid-training.
 
     ``ModelSwitchWrapper(model, optimizer, ...).switch_to("gradient_allreduce")`` wraps it;
@@ -250,7 +410,9 @@ class ModelSwitchWrapper(torch.nn.Module):
     (momentum, Adam moments) over ranks, since model algorithms let them drift apart, and
     installs the new algorithm. Every rank must switch at the same step to the same
     algorithm; a mismatch raises :class:`ModelMismatchError` on every rank.
-    ``state_dict`` / ``load_state_dict`` are the plain model's.
+    ``state_dict`` / ``load_state_dict`` are the plain model's. ``with wrapper.join():`` (or
+    ``Join([wrapper])``) handles uneven inputs like :meth:`BaguaModule.join`; do not switch
+    algorithms inside it.
     """
 
     def __init__(
@@ -328,6 +490,34 @@ class ModelSwitchWrapper(torch.nn.Module):
 
     def no_sync(self):
         return self.wrapped.no_sync()
+
+    # torch Join: the current BaguaModule is the joinable; its join config is set through here
+    @property
+    def _join_config(self):
+        return self.wrapped._join_config
+
+    @_join_config.setter
+    def _join_config(self, config) -> None:
+        self.wrapped._join_config = config
+
+    def join(self, divide_by_initial_world_size: bool = False, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """See :meth:`BaguaModule.join`."""
+        if not self.wrapped.distributed:
+            return contextlib.nullcontext()
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> BaguaJoinHook:
+        return self.wrapped.join_hook(**kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.wrapped.join_device
+
+    @property
+    def join_process_group(self):
+        return self.wrapped.join_process_group
 
     def unwrap(self) -> torch.nn.Module:
         return self.module

@@ -96,6 +96,7 @@ class Reducer:
         ]
         self.enabled = True  # False inside no_sync(): gradients accumulate locally
         self.expecting_backward = False
+        self.join_state = None  # under Join: who still has data this iteration (set at forward)
         self.rounds = 0  # completed reductions
         self.launched_during_backward = 0  # buckets launched from hooks in the last round (overlap)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -119,6 +120,7 @@ class Reducer:
         self._next = 0
         self._pendings: List[comm.Pending] = []
         self.expecting_backward = False
+        self.join_state = None
 
     def _on_grad(self, param: torch.Tensor) -> None:
         entry = self._entries[id(param)]
@@ -147,6 +149,8 @@ class Reducer:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
+        if self.join_state is not None:  # uneven inputs: the mean over the ranks that still have data
+            self.join_state.contribute(bucket.flat, mean=not self.join_state.divide_by_initial_world_size)
         stages = self.algorithm.stages(bucket.flat, self.group)
         self._pendings.append(comm.Pending(stages, self._what[index], self.timeout))
         self._next = index + 1
@@ -167,26 +171,45 @@ class Reducer:
         for entry in pending_entries:
             if not entry.adopt_grad():
                 entry.zero_unused()
+        used = self._complete([e.param.grad is not None for e in self._ordered])
+        for entry in pending_entries:
+            if entry.param.grad is None and (used is None or used[entry.position]):
+                entry.param.grad = entry.view  # used on another rank: it gets the average too
+        self.rounds += 1
+
+    def _complete(self, local_used: List[bool]):
+        """Launch the buckets not launched yet and the unused-parameter flags, wait for everything.
+
+        Returns the flags (which parameters some rank used), or None without
+        ``find_unused_parameters``.
+        """
         while self._next < len(self.buckets):
             self._launch(self._next)
         flags = None
         if self.find_unused_parameters:
-            flags = torch.tensor(
-                [e.param.grad is not None for e in self._ordered], dtype=torch.int32, device=self._flag_device
-            )
+            flags = torch.tensor(local_used, dtype=torch.int32, device=self._flag_device)
             flag_pending = comm.Pending(_max_flags(flags, self.group), "unused-parameter flags", self.timeout)
         for pending in self._pendings:
             pending.wait()
         if flags is not None:
             flag_pending.wait()
-            used = flags.tolist()
-        for entry in pending_entries:
-            if entry.param.grad is None and (flags is None or used[entry.position]):
-                entry.param.grad = entry.view  # used on another rank: it gets the average too
         if not self.algorithm.exact:
             for bucket in self.buckets:
                 bucket.zero_gaps()
-        self.rounds += 1
+        return flags.tolist() if flags is not None else None
+
+    def shadow(self, join_state) -> None:
+        """On a rank that ran out of data (under ``Join``): the collectives of one reduction.
+
+        It contributes zeros and used no parameter; its flat gradients receive the average of
+        the ranks that still have data, like theirs.
+        """
+        self.check_not_interrupted()
+        self.join_state = join_state
+        try:
+            self._complete([False] * len(self._ordered))
+        finally:
+            self._reset()
 
     # ------------------------------------------------------------------ around the optimizer step
     def check_not_interrupted(self) -> None:
@@ -205,6 +228,10 @@ class Reducer:
                     "the optimizer was fused after bagua_init, so the reducer's buckets are not its flat "
                     "buffers; call fuse_optimizer(optimizer) first, then bagua_init(model, optimizer)"
                 )
+        self.flush()
+
+    def flush(self) -> None:
+        """Average now if a training forward ran but no backward reached a parameter since."""
         self.check_not_interrupted()
         if self.enabled and self.expecting_backward:
             try:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..fused_optimizer import is_fused_optimizer
 from . import comm
 from .algorithms import Algorithm
-from .errors import AlgorithmConfigError
+from .errors import AlgorithmConfigError, CheckpointError
 from .sync import check_same_on_all_ranks, describe_model, describe_parameters
 
 __all__ = ["AlgorithmSession"]
@@ -66,6 +66,7 @@ class AlgorithmSession:
         check_consistency: bool = True,
         extra_description: Sequence[str] = (),
         before_attach: Optional[Callable[[], None]] = None,
+        state: Optional[Dict[str, Any]] = None,
     ):
         self.algorithm = algorithm
         self.name = algorithm.name or type(algorithm).__name__
@@ -87,6 +88,8 @@ class AlgorithmSession:
         self.params = self._select_params(params, model)
         if check_consistency:
             self._check_consistency(model, extra_description)
+        if state is not None:  # a resume: checked and kept by the algorithm until attach applies it
+            self.load_state_dict(state)
         if before_attach is not None:
             before_attach()
         algorithm.attach(self.params, self.optimizer, self.group)
@@ -171,12 +174,39 @@ class AlgorithmSession:
         return mean.to(norm.dtype).reshape(norm.shape)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> Dict[str, Any]:
-        """The algorithm's name, the update count and the algorithm's own :meth:`Algorithm.state_dict`."""
-        return {"name": self.name, "num_updates": self.num_updates, "algorithm": self.algorithm.state_dict()}
+    @property
+    def replicas_differ(self) -> bool:
+        """Whether each rank's weights or optimizer state are its own (model algorithms): a checkpoint
+        must then hold every rank's model and optimizer state (see :meth:`state_dict`)."""
+        return self.distributed and self.algorithm.replicas_differ
 
-    def load_state_dict(self, state: Dict[str, Any]) -> bool:
-        """Restore :meth:`state_dict`; returns whether it did.
+    def state_dict(self) -> Dict[str, Any]:
+        """The algorithm's name, the update count and the algorithm's own :meth:`Algorithm.state_dict`.
+
+        Also this rank and the world size, and whether ranks' weights / optimizer state differ
+        under this algorithm, so that a resume can tell a per-rank checkpoint from one rank's
+        state loaded everywhere.
+        """
+        return {
+            "name": self.name,
+            "num_updates": self.num_updates,
+            "algorithm": self.algorithm.state_dict(),
+            "rank": comm.rank(self.group) if self.distributed else 0,
+            "world_size": comm.world_size(self.group) if self.distributed else 1,
+            "weights_differ": self.distributed and self.algorithm.weights_differ,
+            "replicas_differ": self.replicas_differ,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any], *, shared: bool = False,
+                        optimizer_state: Optional[Dict[str, Any]] = None) -> bool:
+        """Restore :meth:`state_dict` (before or after ``attach``); returns whether it did.
+
+        ``shared=True`` says the checkpoint is one rank's, loaded on every rank (fairseq, HF
+        Trainer's ``optimizer.pt``): when this algorithm lets replicas differ that would silently
+        diverge, so :class:`CheckpointError` is raised on every rank instead (the decision only
+        reads the checkpoint), unless nothing per rank was lost: weights that do not differ
+        under these settings and an optimizer without per-parameter state (``optimizer_state``,
+        e.g. plain SGD). A per-rank checkpoint of another rank or world size raises too.
 
         A checkpoint of another algorithm is not restored (one warning): its counters mean
         nothing to this one, and training goes on from a fresh schedule.
@@ -187,9 +217,68 @@ class AlgorithmSession:
                 f"{self.name}; its algorithm state is not restored"
             )
             return False
+        self.check_resume(state, shared=shared, optimizer_state=optimizer_state)
         self.num_updates = int(state.get("num_updates", 0))
         self.algorithm.load_state_dict(state.get("algorithm") or {})
         return True
+
+    def rank_state_dict(self, model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
+        """What this rank must save for itself, for frameworks that save one rank's checkpoint.
+
+        ``{"algorithm": state_dict()}``, plus, when the algorithm lets replicas differ, this
+        rank's optimizer state and (when weights differ) ``model``'s weights. Every rank writes
+        it to its own file (the HF Trainer callback: ``bagua_rank{r}.pt`` in the checkpoint
+        folder; Accelerate: ``register_for_checkpointing``); :meth:`load_rank_state_dict` restores it.
+        """
+        state: Dict[str, Any] = {"algorithm": self.state_dict()}
+        if self.replicas_differ:
+            if self.optimizer is not None:
+                state["optimizer"] = self.optimizer.state_dict()
+            if model is not None and self.algorithm.weights_differ:
+                state["model"] = model.state_dict()
+        return state
+
+    def load_rank_state_dict(self, state: Dict[str, Any], model: Optional[torch.nn.Module] = None) -> bool:
+        """Restore :meth:`rank_state_dict`: weights, optimizer state, then the algorithm's (in that order)."""
+        self.check_resume(state["algorithm"])
+        if state.get("model") is not None and model is not None:
+            model.load_state_dict(state["model"])
+            self.algorithm.weights_loaded()
+        if state.get("optimizer") is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        return self.load_state_dict(state["algorithm"])
+
+    def check_resume(self, state: Dict[str, Any], *, shared: bool = False,
+                     optimizer_state: Optional[Dict[str, Any]] = None) -> None:
+        """Raise :class:`CheckpointError` where resuming from ``state`` would silently diverge."""
+        if not self.distributed or not state.get("replicas_differ", self.replicas_differ):
+            return
+        saved_world = state.get("world_size")
+        world = comm.world_size(self.group)
+        if saved_world is not None and int(saved_world) != world:
+            raise CheckpointError(
+                f"{self.name} lets each rank's weights and optimizer state differ, and this checkpoint holds the "
+                f"state of a run on {saved_world} ranks, not {world}: resume on {saved_world} ranks, or make "
+                "the replicas equal first (e.g. switch to gradient_allreduce with ModelSwitchWrapper, which "
+                "averages weights and optimizer state) and save that"
+            )
+        if shared:
+            has_optimizer_state = bool(optimizer_state and optimizer_state.get("state"))
+            if state.get("weights_differ", True) or has_optimizer_state:
+                lost = "weights and optimizer state" if state.get("weights_differ", True) else "optimizer state"
+                raise CheckpointError(
+                    f"this checkpoint holds only rank {state.get('rank', 0)}'s {lost}, but under {self.name} "
+                    f"every rank's {lost} are its own; loading one rank's on all {world} ranks would silently "
+                    "diverge from the uninterrupted run. Save every rank's own state (BaguaModule."
+                    "algorithm_state_dict() with the model and optimizer state, per rank; the HF and "
+                    "Accelerate integrations do this), or resume with a fresh optimizer (fairseq: "
+                    "--reset-optimizer) knowing the run restarts from rank 0's state"
+                )
+        elif state.get("rank") is not None and int(state["rank"]) != comm.rank(self.group):
+            raise CheckpointError(
+                f"rank {comm.rank(self.group)} was given rank {state['rank']}'s checkpoint; under {self.name} "
+                "each rank's weights and optimizer state are its own: load the file each rank saved"
+            )
 
     def close(self) -> None:
         """Remove the step hooks this session installed and detach the algorithm."""

@@ -91,13 +91,20 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tens
     ]
 
 
-def allreduce_optimizer_state(optimizer: torch.optim.Optimizer, *, group=None, timeout=None) -> None:
-    """Average the optimizer's parameter-shaped state over ranks (each divided first, then summed)."""
+def allreduce_optimizer_state(optimizer: torch.optim.Optimizer, *, group=None, timeout=None, join=None) -> None:
+    """Average the optimizer's parameter-shaped state over ranks (each divided first, then summed).
+
+    ``join`` (a :class:`~bagua_integrations.distributed.join.JoinState`, under ``Join``):
+    average over the ranks that still have data; a joined rank receives that average.
+    """
     if not comm.is_distributed(group):
         return
     pack = pack_tensors(optimizer_state_tensors(optimizer))
     if pack.tensors:
         flats = pack.gather()
+        if join is not None:
+            for flat in flats:
+                join.contribute(flat)
         _run_all([comm.average(flat, group) for flat in flats], "optimizer state averaging", timeout)
         pack.scatter()
 

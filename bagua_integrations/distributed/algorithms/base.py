@@ -41,6 +41,10 @@ class Algorithm:
     hierarchical_default: bool = False
     #: whether BaguaModule should call :meth:`after_step` after every optimizer step
     wants_step_hook: bool = False
+    #: under ``Join`` (uneven inputs), the :class:`~bagua_integrations.distributed.join.JoinState`
+    #: of the step :meth:`after_step` runs for: which ranks still have data, whether this one has
+    #: joined. None otherwise. Model algorithms shadow their collectives with it.
+    join_state = None
 
     def __init__(self, hierarchical: Optional[bool] = None, timeout: comm.Timeout = None):
         self.hierarchical = self.hierarchical_default if hierarchical is None else bool(hierarchical)
@@ -62,6 +66,21 @@ class Algorithm:
     # ------------------------------------------------------------------ topology
     def validate_hierarchy(self) -> None:
         """Refuse ``hierarchical`` where the algorithm has no hierarchical form (after it was set)."""
+
+    def validate_join(self, group=None) -> None:
+        """Refuse (``JoinError``) a setup that cannot run under ``Join``; called on every rank at each event.
+
+        Gradient algorithms can (the reducer shadows their buckets) unless they also communicate
+        after the step; an algorithm that acts after the step must read :attr:`join_state` there
+        and say so with ``supports_join = True``, else it refuses.
+        """
+        if (self.kind == "model" or self.wants_step_hook) and not getattr(self, "supports_join", False):
+            from ..errors import JoinError
+
+            raise JoinError(
+                f"{self.name} has no uneven-input (Join) form: give every rank the same number of batches "
+                "(e.g. DistributedSampler(drop_last=True))"
+            )
 
     def nodes(self, group=None) -> Optional[comm.NodeGroups]:
         """The node groups to reduce through, or None for a flat reduction."""
@@ -89,12 +108,33 @@ class Algorithm:
         """Forget the attached parameters (called when switching algorithms)."""
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def weights_differ(self) -> bool:
+        """Whether ranks' weights may legitimately differ between two steps (so a checkpoint needs
+        every rank's weights, and a resume must not broadcast rank 0's)."""
+        return False
+
+    @property
+    def replicas_differ(self) -> bool:
+        """Whether ranks' weights *or optimizer state* may differ (model algorithms keep gradients
+        local, so e.g. each rank's Adam moments are its own): a checkpoint must then hold every
+        rank's own model and optimizer state."""
+        return self.weights_differ
+
     def state_dict(self) -> Dict[str, Any]:
-        """What a checkpoint must carry to resume this algorithm on schedule; stateless by default."""
+        """What a checkpoint must carry to resume this algorithm on schedule; stateless by default.
+
+        ``gradient_allreduce`` and ``bytegrad`` have no state (bytegrad has no error feedback:
+        each bucket is quantized afresh). An algorithm with error-feedback or momentum buffers
+        returns them here.
+        """
         return {}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (after :meth:`attach`)."""
+        """Restore :meth:`state_dict`'s output, before or after :meth:`attach`."""
+
+    def weights_loaded(self) -> None:
+        """The model's weights were replaced (``load_state_dict``) after :meth:`attach`; no-op by default."""
 
 
 class GradientAlgorithm(Algorithm):
@@ -224,6 +264,16 @@ class ModelAlgorithm(Algorithm):
         self.pack: Optional[Packs] = None
         self.optimizer = None
         self.num_updates = 0
+        self._pending_state: Optional[Dict[str, Any]] = None
+        self.restored = False
+
+    @property
+    def weights_differ(self) -> bool:
+        return True
+
+    @property
+    def replicas_differ(self) -> bool:
+        return True  # gradients stay local: optimizer state (momentum, Adam moments) is per rank
 
     def attach(self, params: Iterable[torch.Tensor], optimizer=None, group=None) -> "ModelAlgorithm":
         params = list(params)
@@ -231,8 +281,12 @@ class ModelAlgorithm(Algorithm):
         self.pack = pack_tensors(params)
         self.optimizer = optimizer
         self.num_updates = 0
+        self.restored = False
         self.validate(group)
         self.on_attach()
+        if self._pending_state is not None:  # load_state_dict before attach: applied now
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
         return self
 
     def validate(self, group) -> None:
@@ -250,7 +304,21 @@ class ModelAlgorithm(Algorithm):
         return {"num_updates": self.num_updates}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; before :meth:`attach` it is kept and applied there."""
+        if self.pack is None:
+            self._pending_state = dict(state)
+            return
+        self.restore(state)
+        self.restored = True
+
+    def restore(self, state: Dict[str, Any]) -> None:
+        """Apply a checkpoint's state to the attached algorithm (subclasses extend it)."""
         self.num_updates = int(state.get("num_updates", self.num_updates))
+
+    @property
+    def has_pending_state(self) -> bool:
+        """Whether :meth:`load_state_dict` ran before :meth:`attach` (a resume)."""
+        return self._pending_state is not None
 
     def after_step(self, params=None, step: Optional[int] = None, *, optimizer=None, group=None) -> bool:
         """Run after each optimizer step with the model's parameters; returns whether it communicated.

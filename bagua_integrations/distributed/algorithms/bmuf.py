@@ -47,10 +47,16 @@ class BMUF(ModelAlgorithm):
 
     :meth:`attach` must run before the first optimizer step (it records the starting
     weights and optimizer state, as fairseq does when the optimizer is built).
+
+    Under ``Join`` (uneven inputs) a rank that ran out of data contributes nothing to the block
+    gradient (nor to averaged optimizer state) and the mean is over the ranks that still have
+    data; it applies the same block update, so after each sync every replica holds the same
+    global model. The warmup broadcast comes from the lowest rank that has data.
     """
 
     name = "bmuf"
     hierarchical_default = False
+    supports_join = True
 
     def __init__(
         self,
@@ -122,6 +128,63 @@ class BMUF(ModelAlgorithm):
             "optimizer step so the block starts from the initial weights"
         )
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self):
+        """The update counter, the global model of the last sync and the block momentum, per parameter.
+
+        Before warmup ends it also holds the optimizer state recorded at :meth:`attach` (what the
+        warmup sync resets to). The same on every rank; the weights and optimizer state of each
+        rank, which differ between syncs, belong in that rank's own checkpoint.
+        """
+        state = super().state_dict()
+        state["global_params"] = [t.clone() for t in self._per_tensor(self.global_params)]
+        state["smoothed_grads"] = [t.clone() for t in self._per_tensor(self.smoothed_grads)]
+        if self.num_updates < self.warmup_iterations and self.initial_optimizer_state is not None:
+            state["initial_optimizer_state"] = copy.deepcopy(self.initial_optimizer_state)
+        return state
+
+    @torch.no_grad()
+    def restore(self, state) -> None:
+        super().restore(state)
+        for key, flats in (("global_params", self.global_params), ("smoothed_grads", self.smoothed_grads)):
+            saved = state.get(key)
+            if saved is None:
+                continue
+            tensors = self._per_tensor(flats)
+            if len(saved) != len(tensors) or any(a.shape != b.shape for a, b in zip(saved, tensors)):
+                from ..errors import CheckpointError
+
+                raise CheckpointError(
+                    f"bmuf's checkpointed {key} hold {len(saved)} tensors of shapes "
+                    f"{[tuple(t.shape) for t in saved][:4]}..., the attached parameters {len(tensors)} of shapes "
+                    f"{[tuple(t.shape) for t in tensors][:4]}...: resume with the model the checkpoint was saved from"
+                )
+            for mine, theirs in zip(tensors, saved):
+                mine.copy_(theirs)
+        if state.get("initial_optimizer_state") is not None:
+            self.initial_optimizer_state = copy.deepcopy(state["initial_optimizer_state"])
+
+    def weights_loaded(self) -> None:
+        """Weights loaded after :meth:`attach` without bmuf's own state: the block restarts from them.
+
+        (``wrapped.module.load_state_dict(...)`` after ``bagua_init``, the usual DDP order.) Once
+        :meth:`load_state_dict` restored the global model, it is kept.
+        """
+        if self.pack is not None and not self.restored:
+            self._reset_block()
+
+    def _per_tensor(self, flats: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Views of ``flats`` (one per pack, as :meth:`_reset_block` made them) shaped like each parameter."""
+        out = []
+        for pack, flat in zip(self.pack, flats):
+            base = None if pack.copied else pack.flat.storage_offset()
+            offset = 0
+            for t in pack.tensors:
+                start = offset if base is None else t.storage_offset() - base
+                out.append(flat[start : start + t.numel()].view(t.shape))
+                offset += t.numel()
+        return out
+
     @torch.no_grad()
     def _reset_block(self) -> None:
         flats = self.pack.gather()
@@ -143,7 +206,7 @@ class BMUF(ModelAlgorithm):
     @torch.no_grad()
     def _warmup_sync(self, group) -> None:
         flats = self.pack.gather()
-        root = comm.group_ranks(group)[0]
+        root = self.join_state.src if self.join_state is not None else comm.group_ranks(group)[0]
         self.run([_broadcast(flat, root, group) for flat in flats], "warmup broadcast")
         self.pack.scatter()
         if self.average_sync:
@@ -154,12 +217,19 @@ class BMUF(ModelAlgorithm):
 
     @torch.no_grad()
     def _block_sync(self, group) -> None:
+        join = self.join_state
         flats = self.pack.gather()  # averaged like fairseq: divided before summing, same bits
         if self.block_momentum == 0:
+            if join is not None:
+                for flat in flats:
+                    join.contribute(flat)
             self.run([comm.average(flat, group) for flat in flats], "block sync")
             self.pack.scatter()
         else:
             block_grads = [global_flat - flat for global_flat, flat in zip(self.global_params, flats)]
+            if join is not None:
+                for grad in block_grads:
+                    join.contribute(grad)
             self.run([comm.average(grad, group) for grad in block_grads], "block sync")
             for index, (flat, global_flat, grad) in enumerate(zip(flats, self.global_params, block_grads)):
                 smoothed = self.block_momentum * self.smoothed_grads[index] + self.block_lr * grad
@@ -173,7 +243,7 @@ class BMUF(ModelAlgorithm):
             self._average_optimizer_state(group)
 
     def _average_optimizer_state(self, group) -> None:
-        allreduce_optimizer_state(self.optimizer, group=group, timeout=self.timeout)
+        allreduce_optimizer_state(self.optimizer, group=group, timeout=self.timeout, join=self.join_state)
 
 
 def _broadcast(flat: torch.Tensor, root: int, group) -> comm.Stages:

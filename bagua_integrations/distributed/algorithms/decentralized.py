@@ -47,6 +47,7 @@ class Decentralized(ModelAlgorithm):
 
     name = "decentralized"
     hierarchical_default = True
+    supports_join = True
 
     def __init__(
         self,
@@ -90,10 +91,28 @@ class Decentralized(ModelAlgorithm):
     def on_attach(self) -> None:
         self.rounds = 0
 
+    @property
+    def weights_differ(self) -> bool:
+        # "all" every step leaves every rank the same weights; otherwise they differ in between
+        return self.peer_selection_mode != "all" or self.communication_interval > 1
+
+    def state_dict(self):
+        """The update counter (when the next averaging is due) and the peer round (who is next)."""
+        return dict(super().state_dict(), rounds=self.rounds)
+
+    def restore(self, state) -> None:
+        super().restore(state)
+        self.rounds = int(state.get("rounds", self.rounds))
+
     def update(self, step: int, group) -> bool:
         if not comm.is_distributed(group) or step % self.communication_interval:
             return False
+        if self.join_state is not None and self.peer_selection_mode == "shift_one":
+            return self._shift_one_under_join(self.join_state, group)
         flats = self.pack.gather()
+        if self.join_state is not None:  # "all": the mean over the ranks with data, which every rank takes
+            for flat in flats:
+                self.join_state.contribute(flat)
         nodes = self.nodes(group)
         if nodes is not None:
             stages = [comm.hierarchical(self._average_with_peers, flat, nodes) for flat in flats]
@@ -103,6 +122,47 @@ class Decentralized(ModelAlgorithm):
         self.pack.scatter()
         self.rounds += 1
         return True
+
+    def _shift_one_under_join(self, join, group) -> bool:
+        """``shift_one`` when some ranks ran out of data: only ranks (nodes) that both have data average."""
+        nodes = self.nodes(group)
+        me = comm.rank()
+        communicated = False
+        if nodes is None:
+            if join.is_active(me) and join.is_active(self.peer(group)):
+                flats = self.pack.gather()
+                self.run([self._average_with_peers(flat, group) for flat in flats], f"weight averaging (round {self.rounds})")
+                self.pack.scatter()
+                communicated = True
+        else:
+            flats = self.pack.gather()
+            mine = flats if join.is_active(me) else [torch.zeros_like(flat) for flat in flats]
+            ranks = comm.group_ranks(group)
+            self.run([self._node_shift_one_under_join(flat, nodes, join, ranks) for flat in mine],
+                     f"weight averaging (round {self.rounds})")
+            if any(join.is_active(r) for r in nodes.node_ranks):  # else the node has nothing to average
+                if mine is not flats:
+                    for flat, averaged in zip(flats, mine):
+                        flat.copy_(averaged)
+                self.pack.scatter()
+            communicated = True
+        self.rounds += 1
+        return communicated
+
+    def _node_shift_one_under_join(self, flat: torch.Tensor, nodes: comm.NodeGroups, join, ranks) -> comm.Stages:
+        yield comm.reduce(flat, nodes.leader, nodes.intra_group)  # joined ranks sent zeros
+        if nodes.is_leader:
+            here = sum(join.is_active(r) for r in nodes.node_ranks)
+            if here:
+                flat.div_(here)
+            partner = self.peer(nodes.leader_group)
+            first = ranks.index(partner)
+            there = sum(join.is_active(r) for r in ranks[first : first + nodes.local_size])
+            if here and there:
+                received = torch.empty_like(flat)
+                yield comm.exchange(flat, received, partner, nodes.leader_group)
+                flat.add_(received).div_(2)
+        yield comm.broadcast(flat, nodes.leader, nodes.intra_group)
 
     def peer(self, group) -> int:
         """This rank's shift_one partner this round, as a global rank."""
