@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,7 @@ def test_smoke_hf_tiny_table_json_png_and_learning(tmp_path):
     done = run_recipe("--preset", "tiny", "--out-dir", out)
     results, table, png = load_outputs(out)
 
-    assert "| front end | optimizer | epoch time (s) | optimizer step (ms) |" in done.stdout
+    assert "| front end | optimizer | clipping; schedule | fused step (ran) | epoch time (s) |" in done.stdout
     assert table.strip() in done.stdout.replace("\r", "")
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000
 
@@ -101,10 +102,23 @@ def test_smoke_hf_tiny_table_json_png_and_learning(tmp_path):
         assert 0 < r["median_optimizer_ms"] < r["median_update_ms"]
         assert r["accuracy"] > ABOVE_CHANCE, f"{r['row']} did not learn: accuracy {r['accuracy']}"
     by_key = {r["row"]: r for r in rows}
-    assert by_key["bertadam"]["fused"] is None
-    assert by_key["bertadam-fused-eager"]["compiled"] is False
+    # the seed's rows: BertAdam with its defaults (per-parameter clipping, its own schedule); AdamW: the front end's
+    for key in ("bertadam", "bertadam-fused-eager", "bertadam-fused-compiled"):
+        assert by_key[key]["clipping"].startswith("per-parameter 1.0"), by_key[key]
+        assert by_key[key]["schedule"] == "BertAdam warmup_linear (warmup 0.1, t_total 64)"
+    for key in ("adamw-foreach", "adamw-fused"):
+        assert by_key[key]["clipping"].startswith("global 1.0") and by_key[key]["schedule"].startswith("front end")
+    assert by_key["bertadam"]["fused"] is None and by_key["bertadam"]["group_paths"] is None
+    eager = by_key["bertadam-fused-eager"]
+    # per-parameter clipping goes through the exact segmented path (both of Trainer's parameter groups)
+    assert eager["compiled"] is False and eager["group_paths"] == ["segmented", "segmented"]
+    assert eager["fused"].split(" / ")[0] == "25"  # every tensor of the tiny BERT through flat buffers
+    assert "| BertAdam fused, eager | per-parameter 1.0; BertAdam | segmented, eager |" in table
     compiled = by_key["bertadam-fused-compiled"]
-    assert compiled["compiled"] or compiled["extra"].get("compile_disabled_reason")
+    assert compiled["fuse"] == "compiled" and compiled["group_paths"] == ["segmented", "segmented"]
+    # the table says what ran: compiled (on some or all updates), or eager and why
+    line = next(l for l in table.splitlines() if "| BertAdam fused, compile=True" in l)
+    assert ("segmented, compiled" in line) if compiled["compiled"] else ("ran eager:" in line or "compiled on" in line)
     # per-tensor and fused BertAdam are the same update: same final accuracy on the same data and seed
     assert by_key["bertadam"]["accuracy"] == by_key["bertadam-fused-eager"]["accuracy"]
     assert by_key["bertadam"]["extra"]["speedup"] == 1.0
@@ -112,21 +126,30 @@ def test_smoke_hf_tiny_table_json_png_and_learning(tmp_path):
         assert (out / path).exists()
 
 
-@pytest.mark.slow  # about 25 s on two idle cores (fairseq-preprocess + fairseq-train subprocesses), 45 s shared
+@pytest.mark.slow  # about 30 s on two idle cores (fairseq-preprocess + 2 fairseq-train subprocesses), 60 s shared
 @requires_fairseq
 def test_smoke_fairseq_tiny(tmp_path):
-    """fairseq front end: fairseq-preprocess + fairseq-train with the recipe's user dir, per-tensor and fused."""
+    """fairseq front end: fairseq-preprocess + fairseq-train with the recipe's user dir, BertAdam with its
+    defaults per-tensor and fused: BertAdam clips per parameter and schedules, fairseq does neither."""
     out = tmp_path / "out"
-    done = run_recipe("--preset", "tiny", "--frontend", "fairseq", "--rows", "bertadam-fused-compiled", "--out-dir", out)
+    done = run_recipe("--preset", "tiny", "--frontend", "fairseq", "--rows", "bertadam,bertadam-fused-eager",
+                      "--out-dir", out)
     results, table, png = load_outputs(out)
     assert "| fairseq |" in done.stdout and png.startswith(b"\x89PNG")
-    (fused,) = results["rows"]
-    assert fused["status"] == "ok", fused
-    assert fused["steps"] == 64 and fused["epoch_time_s"] > 0 and 0 < fused["optimizer_share"] < 1
-    assert 0 < fused["median_optimizer_ms"] < fused["median_update_ms"]
-    assert fused["accuracy"] > ABOVE_CHANCE, fused
-    assert fused["fused"] and fused["fused"].split(" / ")[0] != "0"  # the plugin's first-step line was parsed
+    plain, fused = results["rows"]
+    for r in (plain, fused):
+        assert r["status"] == "ok", r
+        assert r["steps"] == 64 and r["epoch_time_s"] > 0 and 0 < r["optimizer_share"] < 1
+        assert 0 < r["median_optimizer_ms"] < r["median_update_ms"]
+        assert r["accuracy"] > ABOVE_CHANCE, r
+        command = r["extra"]["command"]
+        assert "--clip-norm 0 " in command and "--lr-scheduler fixed" in command and "polynomial" not in command
+        assert "--bert-adam-max-grad-norm 1.0" in command and "--bert-adam-t-total 64" in command
     assert "--optimizer bagua_fused --bagua-base-optimizer bert_adam" in fused["extra"]["command"]
+    # the task's own line after a steady fused step: every tensor through the segmented path
+    assert fused["group_paths"] == ["segmented"] and fused["fused"].split(" / ")[0] not in ("0", "")
+    assert fused["compiled"] is False and "| segmented, eager |" in table
+    assert plain["accuracy"] == fused["accuracy"]  # the same update, exactly
     assert (out / "fairseq" / "data-bin" / "input0" / "dict.txt").exists()
 
 
@@ -185,10 +208,17 @@ def test_full_tiny_table_both_frontends(tmp_path):
     assert len(rows) == 2 * len(ROWS)
     for r in rows:
         if r["frontend"] == "fairseq" and r["status"] == "skipped":  # a fairseq_plugin without --bagua-compile
-            assert r["row"] == "bertadam-fused-eager" and "compile" in r["reason"]
+            assert r["row"].endswith("fused-eager") and "compile" in r["reason"]
             continue
         assert r["status"] == "ok", r
         assert r["accuracy"] > ABOVE_CHANCE, r
+    for frontend in ("hf", "fairseq"):
+        by_key = {r["row"]: r for r in rows if r["frontend"] == frontend}
+        # the front end's clipping + schedule rows: elementwise, compiled, measured against their own baseline
+        assert by_key["bertadam-globalclip-fused-compiled"]["group_paths"] in (["elementwise"] * 2, ["elementwise"])
+        assert by_key["bertadam-globalclip-fused-compiled"]["extra"]["baseline"] == "bertadam-globalclip"
+        assert by_key["bertadam-globalclip"]["accuracy"] == by_key["bertadam-globalclip-fused-eager"]["accuracy"]
+        assert by_key["bertadam-fused-eager"]["extra"]["baseline"] == "bertadam"
 
 
 @pytest.mark.slow
@@ -265,6 +295,22 @@ def test_presets_and_rows():
     assert [r.key for r in parse_rows(None)] == list(DEFAULT_ROWS)
     assert [r.key for r in parse_rows("all")] == list(ROWS)
     assert [r.key for r in parse_rows("adamw-fused, bertadam")] == ["adamw-fused", "bertadam"]
+    assert [r.key for r in parse_rows("default,bertadam-globalclip")] == list(DEFAULT_ROWS) + ["bertadam-globalclip"]
+    # the default table is the seed's experiment: BertAdam with its defaults, without / with the fused optimizer
+    assert [k for k in DEFAULT_ROWS if k.startswith("bertadam")] == [
+        "bertadam", "bertadam-fused-eager", "bertadam-fused-compiled"]
+    assert all(ROWS[k].bertadam_defaults and not ROWS[k].frontend_clips_and_schedules
+               for k in DEFAULT_ROWS if k.startswith("bertadam"))
+    # the recipe's earlier configuration stays as extra rows
+    for key, fuse in (("bertadam-globalclip", None), ("bertadam-globalclip-fused-eager", "eager"),
+                      ("bertadam-globalclip-fused-compiled", "compiled")):
+        assert key in ROWS and key not in DEFAULT_ROWS
+        row = ROWS[key]
+        assert row.optimizer == "bertadam" and row.fuse == fuse and row.frontend_clips_and_schedules
+        assert row.baseline == "bertadam-globalclip"
+    assert ROWS["adamw-fused"].frontend_clips_and_schedules and ROWS["adamw-fused"].baseline == "bertadam"
+    with pytest.raises(ValueError, match="BertAdam setting"):
+        type(ROWS["adamw-fused"])("x", "x", "adamw", bertadam_defaults=True)
     with pytest.raises(ValueError, match="unknown row"):
         parse_rows("bertadam,lamb")
     with pytest.raises(ValueError, match="twice"):
@@ -273,57 +319,189 @@ def test_presets_and_rows():
     assert ROWS["bertadam"].compile is None
 
 
+def _tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=32))
+
+
 def test_hf_optimizers_per_row():
     import torch
-    from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+    from transformers import TrainingArguments
 
     from bagua_integrations import fusion_report, is_fused_optimizer
     from bagua_integrations.optim import BertAdam
     from recipes.bert_benchmark.hf_frontend import build_optimizer
 
-    model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=32))
+    model = _tiny_bert()
     args = TrainingArguments(output_dir="unused", learning_rate=1e-3, weight_decay=0.01, report_to="none", use_cpu=True)
-    base = build_optimizer(ROWS["bertadam"], model, args)
+    schedule = dict(total_steps=40, warmup_ratio=0.1)
+    # the seed's rows: BertAdam(groups, lr, warmup, t_total), everything else at BertAdam's defaults
+    base = build_optimizer(ROWS["bertadam"], model, args, **schedule)
     assert type(base) is BertAdam and not is_fused_optimizer(base)
-    assert base.defaults["max_grad_norm"] < 0 and base.defaults["t_total"] == -1  # elementwise, Trainer schedules
+    defaults = BertAdam([torch.nn.Parameter(torch.zeros(1))]).defaults
+    assert defaults["max_grad_norm"] == 1.0 and defaults["schedule"] == "warmup_linear"
+    expected = dict(defaults, lr=1e-3, warmup=0.1, t_total=40)
+    expected.pop("weight_decay")  # per group: Trainer's decay / no-decay split
+    for group in base.param_groups:
+        assert {k: group[k] for k in expected} == expected
     assert [g["weight_decay"] for g in base.param_groups] == [0.01, 0.0]
-    eager = build_optimizer(ROWS["bertadam-fused-eager"], model, args)
-    assert is_fused_optimizer(eager) and fusion_report(eager).compiled is False
+    for key in ("bertadam-fused-eager", "bertadam-fused-compiled"):
+        fused = build_optimizer(ROWS[key], _tiny_bert(), args, **schedule)
+        assert is_fused_optimizer(fused) and fused.defaults["max_grad_norm"] == 1.0
+        assert fused.defaults["t_total"] == 40 and fused.defaults["warmup"] == 0.1
+        # per-parameter clipping: fused exactly through the segmented path, every tensor in flat buffers
+        report = fusion_report(fused)
+        assert report.group_paths == ["segmented", "segmented"] and report.unfused_params == 0
+    with pytest.raises(ValueError, match="t_total"):
+        build_optimizer(ROWS["bertadam"], model, args)
+    # the extra rows: Trainer clips globally and schedules, BertAdam is elementwise
+    plain = build_optimizer(ROWS["bertadam-globalclip"], model, args, **schedule)
+    assert plain.defaults["max_grad_norm"] < 0 and plain.defaults["t_total"] == -1
+    eager = build_optimizer(ROWS["bertadam-globalclip-fused-eager"], _tiny_bert(), args)
+    report = fusion_report(eager)
+    assert report.compiled is False and report.group_paths == ["elementwise", "elementwise"]
     fused = build_optimizer(ROWS["adamw-fused"], model, args)
     assert isinstance(fused, torch.optim.AdamW) and fused.defaults["fused"] is True
 
 
+def _scheduler(args) -> str:
+    return getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)  # an enum in TrainingArguments
+
+
+def test_hf_front_end_neither_clips_nor_schedules_for_bertadam_defaults(tmp_path):
+    """BertAdam with its defaults clips and schedules itself; Trainer must do neither (no double clipping or
+    scheduling). The rows where Trainer clips and schedules still get both."""
+    import torch
+    from transformers import Trainer, TrainerCallback
+
+    from recipes.bert_benchmark.cli import load_data
+    from recipes.bert_benchmark.hf_frontend import HFPlan, build_optimizer
+
+    # a global clip far below the gradients' norm: any clipping by Trainer would show in every update
+    preset = get_preset("tiny").with_overrides(train_size=192, valid_size=32, epochs=1, max_grad_norm=1e-3)
+    options = types.SimpleNamespace(train_file=None, valid_file=None, model=None, seed=0)
+    train, valid, tokenizer, _ = load_data(options, preset)
+    plan = HFPlan(preset, train, valid, str(tmp_path), tokenizer=tokenizer, progress=False)
+    total = plan.total_steps()
+    assert total == 6
+
+    class Spy(TrainerCallback):
+        """Gradients as backward left them and as the optimizer sees them; the group lr per update."""
+
+        def __init__(self, model, optimizer):
+            self.optimizer, self.lrs, self.clipped = optimizer, [], []
+            self.raw = {}
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: self.raw.__setitem__(p, p.grad.clone()))
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.lrs.append([g["lr"] for g in self.optimizer.param_groups])
+            assert self.raw
+            self.clipped.append(any(p.grad is None or not torch.equal(p.grad, g) for p, g in self.raw.items()))
+            self.raw.clear()
+
+    def train(key):
+        row = ROWS[key]
+        args = plan.training_args(row, disable_tqdm=True)
+        model = plan.build_model()
+        optimizer = build_optimizer(row, model, args, total_steps=total, warmup_ratio=preset.warmup_ratio)
+        spy = Spy(model, optimizer)
+        Trainer(model=model, args=args, train_dataset=plan.datasets()[0], optimizers=(optimizer, None),
+                callbacks=[spy]).train()
+        return args, optimizer, spy
+
+    args, optimizer, spy = train("bertadam")
+    assert args.max_grad_norm == 0 and _scheduler(args) == "constant" and args.warmup_steps == 0
+    assert spy.lrs == [[preset.lr, preset.lr]] * total  # Trainer leaves the lr alone ...
+    assert not any(spy.clipped)  # ... and the gradients too
+    steps = [optimizer.state[p]["step"] for p in optimizer.param_groups[0]["params"] if optimizer.state[p]]
+    assert set(steps) == {total}  # BertAdam scheduled itself over t_total = every update
+
+    args, _, spy = train("bertadam-globalclip")
+    assert args.max_grad_norm == preset.max_grad_norm and _scheduler(args) == "linear"
+    assert len({lrs[0] for lrs in spy.lrs}) > 2  # Trainer's warmup + decay
+    assert all(spy.clipped)  # and its global clip (the spy sees it)
+
+
 def test_fairseq_optimizer_flags():
-    from recipes.bert_benchmark.fairseq_frontend import optimizer_args
+    from recipes.bert_benchmark.data import WordTokenizer
+    from recipes.bert_benchmark.fairseq_frontend import FairseqPlan, optimizer_args
 
     preset = get_preset("tiny")
-    assert optimizer_args(ROWS["bertadam"], preset, None)[:2] == ["--optimizer", "bert_adam"]
-    fused = optimizer_args(ROWS["bertadam-fused-compiled"], preset, None)
+    base = optimizer_args(ROWS["bertadam"], preset, None, 64)
+    assert base[:2] == ["--optimizer", "bert_adam"]
+    flags = dict(zip(base[2::2], base[3::2]))
+    assert flags["--bert-adam-max-grad-norm"] == "1.0" and flags["--bert-adam-t-total"] == "64"
+    assert flags["--bert-adam-warmup"] == "0.1" and flags["--bert-adam-schedule"] == "warmup_linear"
+    with pytest.raises(ValueError, match="t_total"):
+        optimizer_args(ROWS["bertadam"], preset, None)
+    fused = optimizer_args(ROWS["bertadam-fused-compiled"], preset, None, 64)
     assert fused[:4] == ["--optimizer", "bagua_fused", "--bagua-base-optimizer", "bert_adam"]
-    assert "--bert-adam-eps" in fused
+    assert "--bert-adam-eps" in fused and "--bert-adam-max-grad-norm" in fused
     with pytest.raises(ValueError, match="eager"):
-        optimizer_args(ROWS["bertadam-fused-eager"], preset, None)
-    eager = optimizer_args(ROWS["bertadam-fused-eager"], preset, "--bagua-compile")
+        optimizer_args(ROWS["bertadam-fused-eager"], preset, None, 64)
+    eager = optimizer_args(ROWS["bertadam-fused-eager"], preset, "--bagua-compile", 64)
     assert eager[eager.index("--bagua-compile") + 1] == "false"
+    globalclip = optimizer_args(ROWS["bertadam-globalclip-fused-compiled"], preset, "--bagua-compile")
+    assert globalclip[globalclip.index("--bert-adam-max-grad-norm") + 1] == "-1"
+    assert globalclip[globalclip.index("--bert-adam-t-total") + 1] == "-1"
     adamw = optimizer_args(ROWS["adamw-fused"], preset, None)
     assert adamw[:4] == ["--optimizer", "torch_adamw", "--torch-adamw-impl", "fused"]
 
+    # who clips and schedules: BertAdam with its defaults, or fairseq
+    plan = FairseqPlan(preset, [], [], WordTokenizer(["a"]), "unused")
+    plan.train_examples = [None] * 1024  # 32 updates per epoch, 2 epochs
+    seed = plan.command(ROWS["bertadam-fused-eager"], "--bagua-compile")
+    assert seed[seed.index("--clip-norm") + 1] == "0" and seed[seed.index("--lr-scheduler") + 1] == "fixed"
+    assert "--total-num-update" not in seed and "--warmup-updates" not in seed
+    assert seed[seed.index("--save-dir") + 1].startswith(plan.out_dir)  # not ./checkpoints
+    assert seed[seed.index("--bert-adam-t-total") + 1] == "64"
+    other = plan.command(ROWS["bertadam-globalclip"], "--bagua-compile")
+    assert other[other.index("--clip-norm") + 1] == "1.0"
+    assert other[other.index("--lr-scheduler") + 1] == "polynomial_decay"
+    assert other[other.index("--warmup-updates") + 1] == "6" and other[other.index("--total-num-update") + 1] == "64"
+
 
 def test_report_table_speedups_and_png(tmp_path):
+    seed = dict(clipping=ROWS["bertadam"].clipping(1.0), schedule=ROWS["bertadam"].schedule(0.1, 100))
+    front = dict(clipping=ROWS["adamw-fused"].clipping(1.0), schedule=ROWS["adamw-fused"].schedule(0.1, 100))
     rows = [
         RowResult("hf", "bertadam", "BertAdam per-tensor", epoch_time_s=10.0, optimizer_step_ms=20.0,
-                  optimizer_share=0.5, accuracy=0.9, steps=100),
-        RowResult("hf", "bertadam-fused-compiled", "BertAdam fused, compiled", epoch_time_s=8.0,
+                  optimizer_share=0.5, accuracy=0.9, steps=100, **seed),
+        RowResult("hf", "bertadam-fused-compiled", "BertAdam fused, compile=True", epoch_time_s=8.0,
                   optimizer_step_ms=4.0, optimizer_share=0.1, accuracy=0.9, compile_s=3.0, compiled=True, steps=100,
-                  median_update_ms=79.0),
+                  median_update_ms=79.0, fuse="compiled", group_paths=["segmented", "segmented"], **seed),
+        RowResult("hf", "bertadam-fused-eager", "BertAdam fused, eager", epoch_time_s=9.0, fuse="eager",
+                  compiled=False, group_paths=["segmented", "segmented"], **seed),
+        RowResult("hf", "bertadam-globalclip", "BertAdam per-tensor, front-end clip+schedule", epoch_time_s=6.0,
+                  **front),
+        RowResult("hf", "bertadam-globalclip-fused-compiled", "BertAdam fused, compiled, front-end clip+schedule",
+                  epoch_time_s=4.0, fuse="compiled", compiled=True, compiled_share=0.5,
+                  group_paths=["elementwise", "elementwise"], **front),
+        RowResult("hf", "adamw-fused", "torch AdamW fused=True", epoch_time_s=5.0, **front),
         RowResult("fairseq", "bertadam-fused-eager", "BertAdam fused, eager", status="skipped", reason="no switch"),
+        # asked to compile, but the segmented step ran eagerly: the table says so
+        RowResult("fairseq", "bertadam-fused-compiled", "BertAdam fused, compile=True", epoch_time_s=2.0,
+                  fuse="compiled", compiled=False, compiled_share=0.0, group_paths=["segmented"], **seed),
     ]
     add_speedups(rows)
     assert rows[1].extra["speedup"] == pytest.approx(1.25) and rows[1].extra["time_change"] == pytest.approx(-0.2)
+    # the front end's clip + schedule rows against their own per-tensor baseline; AdamW against the seed's
+    assert rows[4].extra["baseline"] == "bertadam-globalclip" and rows[4].extra["speedup"] == pytest.approx(1.5)
+    assert rows[5].extra["baseline"] == "bertadam" and rows[5].extra["speedup"] == pytest.approx(2.0)
+    assert rows[7].extra["baseline"] == "bertadam-fused-compiled"  # the only measured fairseq row
     table = markdown_table(rows, "title", hardware(), notes=["a note"])
-    assert "| HF Trainer | BertAdam fused, compiled | 8.00 | 4.0 | 10.0% | 0.9000 | 1.25x (-20.0% time) | 79.0 | 3.0 |" in table
-    assert "| fairseq | BertAdam fused, eager | skipped: no switch |" in table
+    assert ("| HF Trainer | BertAdam fused, compile=True | per-parameter 1.0; BertAdam | segmented, compiled | 8.00 "
+            "| 4.0 | 10.0% | 0.9000 | 1.25x (-20.0% time) | 79.0 | 3.0 |") in table
+    assert "| HF Trainer | BertAdam fused, eager | per-parameter 1.0; BertAdam | segmented, eager | 9.00 |" in table
+    assert "| HF Trainer | BertAdam per-tensor | per-parameter 1.0; BertAdam | - | 10.0 |" in table
+    assert ("| global 1.0; front end | elementwise, compiled on 50% of updates | 4.00 | - | -% | - "
+            "| 1.50x (-33.3% time) vs bertadam-globalclip |") in table
+    assert "| fairseq | BertAdam fused, eager | - | | skipped: no switch |" in table
+    assert ("| fairseq | BertAdam fused, compile=True (ran eager: fuse_optimizer ran its segmented groups "
+            "(per-parameter clipping) eagerly) | per-parameter 1.0; BertAdam | segmented, eager |") in table
     assert "3252" in table and "- a note" in table
     assert write_png(str(tmp_path / "chart.png"), rows, "title") is None
     assert (tmp_path / "chart.png").read_bytes().startswith(b"\x89PNG")

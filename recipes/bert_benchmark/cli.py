@@ -42,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--frontend", choices=FRONTENDS, default="hf",
                         help="HF Trainer (hf, default), fairseq-train (fairseq) or both")
     parser.add_argument("--rows", default=None,
-                        help=f"comma-separated rows, or 'all' (default: {','.join(DEFAULT_ROWS)}; "
-                        f"all: {','.join(ROWS)})")
+                        help=f"comma-separated rows; 'default' stands for the default rows "
+                        f"({','.join(DEFAULT_ROWS)}: BertAdam with its defaults -- per-parameter clipping, its own "
+                        f"warmup/t_total schedule -- as the seed ran it, and torch AdamW), 'all' for every row "
+                        f"({','.join(ROWS)}). The bertadam-globalclip* rows run BertAdam without its clipping and "
+                        f"schedule, the front end clipping globally and scheduling instead (the recipe's earlier "
+                        f"BertAdam rows), e.g. --rows default,bertadam-globalclip,bertadam-globalclip-fused-compiled")
     parser.add_argument("--out-dir", default=None, help="where results go (default results/bert_benchmark/<preset>)")
     data = parser.add_argument_group("data and model (default: generated data, model built from the preset)")
     data.add_argument("--train-file", default=None, help="GLUE-style TSV with 'sentence' and 'label' columns (e.g. SST-2 train.tsv)")
@@ -178,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"  -> epoch {_num(result.epoch_time_s, '.2f')} s, optimizer step "
                       f"{_num(result.optimizer_step_ms, '.1f')} ms ({_num(result.optimizer_share, '.0%')} of a step), "
                       f"accuracy {_num(result.accuracy, '.4f')}"
-                      + (f", compile {result.compile_s:.1f} s (excluded)" if result.compile_s else ""), flush=True)
+                      + (f", compile {result.compile_s:.1f} s (excluded)" if result.compile_s else "")
+                      + (f", fused step: {result.fused_step()}" if result.fuse else ""), flush=True)
             else:
                 print(f"  -> {result.status}: {result.reason}", flush=True)
 
@@ -209,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     hw_end = hardware()
     add_speedups(results)
-    notes = run_notes(args, preset, world, hw, hw_end, data_description)
+    notes = run_notes(args, preset, world, hw, hw_end, data_description, rows)
     fairseq_nproc = args.nproc or world
     if "fairseq" in frontends and fairseq_nproc > 1:
         notes.append(
@@ -235,20 +240,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if failed else 0
 
 
-def run_notes(args, preset: Preset, world: int, hw, hw_end, data_description: str) -> List[str]:
+def run_notes(args, preset: Preset, world: int, hw, hw_end, data_description: str, rows=()) -> List[str]:
     steps = math.ceil(math.ceil(preset.train_size / world) / preset.batch_size) if args.train_file is None else None
+    total = max(1, math.ceil(steps * preset.epochs)) if steps else None
+    seed_rows = [r.key for r in rows if r.bertadam_defaults]
+    frontend_rows = [r.key for r in rows if r.frontend_clips_and_schedules]
     notes = [
-        "Epoch time: wall time of one training epoch (data loading, forward, backward, global gradient clipping, "
+        "Epoch time: wall time of one training epoch (data loading, forward, backward, gradient clipping, "
         "optimizer step), without evaluation and without the compile time of compiled rows (its own column).",
-        "Optimizer step: mean time of optimizer.step() per update (the fused rows include flattening bookkeeping); "
-        "its share is that time over the mean update time (epoch time / updates).",
+        "Optimizer step: mean time of optimizer.step() per update (the fused rows include flattening bookkeeping; "
+        "BertAdam's per-parameter clipping happens inside it); its share is that time over the mean update time "
+        "(epoch time / updates).",
         "Final accuracy: validation accuracy after the last epoch. Speedup: baseline epoch time / row epoch time, "
-        "within each front end (baseline: BertAdam per-tensor).",
+        "within each front end (baseline: BertAdam per-tensor with its defaults, the seed's 'w/o fused optimizer'; "
+        "for the bertadam-globalclip* rows: bertadam-globalclip, when it ran).",
         "Median update: the median wall time of one update (all of it: data, forward, backward, clipping, step); "
         "bursts of other jobs on a shared machine move the epoch time much more than this median.",
-        "Rows ran back to back in this one run, with the same data, seed and schedule (linear warmup "
-        f"{preset.warmup_ratio:.0%}, linear decay, lr {preset.lr}, global clip {preset.max_grad_norm}); HF rows in "
-        "one process, each fairseq row in its own fairseq-train process.",
+        "Fused step (ran): what the fused optimizer reported after training, fusion_report(optimizer).group_paths "
+        "(per parameter group: 'segmented' = flat buffers with BertAdam's whole-parameter reductions, its "
+        "per-parameter clipping, computed per parameter; 'elementwise' = flat buffers, no such reductions; "
+        "'per-tensor' = the group's unfused step) and whether the last fused step ran compiled.",
+    ]
+    if seed_rows:
+        notes.append(
+            f"Rows {', '.join(seed_rows)}: BertAdam as the seed ran it, BertAdam(groups, lr={preset.lr}, "
+            f"warmup={preset.warmup_ratio:g}, t_total={total if total else 'updates'}) with every other argument at "
+            "its default: max_grad_norm=1.0 clips each parameter's gradient to norm 1.0, schedule='warmup_linear'. "
+            "The front end neither clips nor schedules for these rows (HF: max_grad_norm=0, constant scheduler; "
+            "fairseq: --clip-norm 0, --lr-scheduler fixed); both still measure the global gradient norm for "
+            "their logs."
+        )
+    if frontend_rows:
+        notes.append(
+            f"Rows {', '.join(frontend_rows)}: the front end clips the global gradient norm to "
+            f"{float(preset.max_grad_norm)} and schedules the learning rate (lr {preset.lr}, linear warmup "
+            f"{preset.warmup_ratio:.0%}, linear decay); BertAdam there runs with max_grad_norm=-1, t_total=-1."
+        )
+    notes += [
+        "Rows ran back to back in this one run, with the same data and seed; HF rows in one process, each "
+        "fairseq row in its own fairseq-train process.",
         f"Preset '{preset.name}': BERT with layers={preset.layers}, hidden={preset.hidden}, heads={preset.heads}, FFN "
         f"{preset.intermediate}, vocabulary {preset.vocab_size}, {preset.max_seq_len} tokens, batch {preset.batch_size}"
         f" per device{f', {steps} updates per epoch' if steps else ''}, {preset.epochs:g} epoch(s), {args.precision}.",

@@ -11,8 +11,11 @@ Rows: the recipe's user dir (``fairseq_user_dir/bert_recipe_fairseq``) registers
 (the seed's per-tensor BertAdam), ``torch_adamw`` (torch AdamW, foreach / fused / single) and
 ``timed_sentence_prediction`` (the task, logging optimizer-step and epoch times); it imports
 ``fairseq_plugin``, so ``--optimizer bagua_fused --bagua-base-optimizer bert_adam`` is the fused
-BertAdam. fairseq clips gradients globally (``--clip-norm``) and schedules the learning rate
-(``polynomial_decay`` with warmup, i.e. linear) for every row.
+BertAdam. For the rows of BertAdam with its defaults (``row.bertadam_defaults``, the seed's rows)
+BertAdam clips each parameter's gradient (``--bert-adam-max-grad-norm 1.0``) and schedules its own
+learning rate (``--bert-adam-warmup``, ``--bert-adam-t-total``), and fairseq does neither
+(``--clip-norm 0``, ``--lr-scheduler fixed``); for every other row fairseq clips gradients globally
+(``--clip-norm``) and schedules the learning rate (``polynomial_decay`` with warmup, i.e. linear).
 
 Results come from fairseq's own JSON log (``--log-format json``): the per-epoch ``train`` record
 (``train_epoch_s``, ``train_opt_ms``, ``train_compile_s``, ``train_compiled``) and the ``valid``
@@ -45,6 +48,8 @@ __all__ = ["FairseqPlan", "run_fairseq", "fairseq_available", "optimizer_args"]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 USER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fairseq_user_dir", "bert_recipe_fairseq")
 _PLUGIN_LINE = re.compile(r"first step updated (\d+) parameter\(s\) through (\d+) flat run\(s\); (\d+) unfused")
+# logged by the recipe's task (fairseq_user_dir) whenever the fused layout it reports changes
+_PATHS_LINE = re.compile(r"bert_recipe_fairseq: fused group paths (\[.*?\]); (\d+) parameter\(s\) through (\d+) flat")
 
 
 @contextlib.contextmanager
@@ -89,11 +94,22 @@ def plugin_compile_flag() -> Optional[str]:
     return "--bagua-compile" if "bagua_compile" in fields else None
 
 
-def optimizer_args(row: Row, preset: Preset, compile_flag: Optional[str]) -> List[str]:
-    """fairseq-train flags of one row; raises ValueError when fairseq cannot express it."""
+def optimizer_args(row: Row, preset: Preset, compile_flag: Optional[str], total_updates: int = -1) -> List[str]:
+    """fairseq-train flags of one row; raises ValueError when fairseq cannot express it.
+
+    ``total_updates`` is BertAdam's ``t_total`` for the rows of BertAdam with its defaults.
+    """
     betas = f"({preset.adam_betas[0]}, {preset.adam_betas[1]})"
     if row.optimizer == "bertadam":
         base = ["--bert-adam-betas", betas, "--bert-adam-eps", str(preset.adam_eps)]
+        if row.bertadam_defaults:
+            if total_updates <= 0:
+                raise ValueError(f"row {row.key!r} needs total_updates (BertAdam's t_total)")
+            # BertAdam's defaults, spelled out: per-parameter clipping, its own warmup_linear schedule
+            base += ["--bert-adam-max-grad-norm", "1.0", "--bert-adam-warmup", str(preset.warmup_ratio),
+                     "--bert-adam-t-total", str(total_updates), "--bert-adam-schedule", "warmup_linear"]
+        else:
+            base += ["--bert-adam-max-grad-norm", "-1", "--bert-adam-t-total", "-1"]  # fairseq clips and schedules
         name = "bert_adam"
     else:
         base = [
@@ -233,12 +249,22 @@ class FairseqPlan:
             "--dropout", str(p.dropout), "--attention-dropout", str(p.dropout),
             "--criterion", "sentence_prediction",
             "--batch-size", str(p.batch_size), "--required-batch-size-multiple", "1",
-            "--lr", str(p.lr), "--lr-scheduler", "polynomial_decay", "--end-learning-rate", "0",
-            "--warmup-updates", str(int(p.warmup_ratio * total)), "--total-num-update", str(total),
-            "--clip-norm", str(p.max_grad_norm),
+            "--lr", str(p.lr),
+        ]
+        if row.frontend_clips_and_schedules:
+            cmd += [
+                "--lr-scheduler", "polynomial_decay", "--end-learning-rate", "0",
+                "--warmup-updates", str(int(p.warmup_ratio * total)), "--total-num-update", str(total),
+                "--clip-norm", str(p.max_grad_norm),
+            ]
+        else:  # BertAdam clips each parameter and schedules itself: fairseq does neither
+            cmd += ["--lr-scheduler", "fixed", "--clip-norm", "0"]
+        cmd += [
             "--seed", str(self.seed), "--num-workers", "0",
             "--log-format", "json", "--log-interval", str(max(1, total // 50)),
-            "--no-save", "--best-checkpoint-metric", "accuracy", "--maximize-best-checkpoint-metric",
+            # fairseq-train probes its --save-dir even with --no-save: keep it out of the working directory
+            "--no-save", "--save-dir", os.path.join(self.out_dir, "checkpoints"),
+            "--best-checkpoint-metric", "accuracy", "--maximize-best-checkpoint-metric",
         ]
         if p.epochs == math.ceil(p.epochs):
             cmd += ["--max-epoch", str(int(p.epochs))]
@@ -255,7 +281,7 @@ class FairseqPlan:
             if not cuda:
                 # fairseq infers torchrun's rendezvous by dividing by the GPU count: spell it out on CPU
                 cmd += ["--distributed-init-method", "env://", "--distributed-no-spawn", "--distributed-rank", "-1"]
-        optimizer = optimizer_args(row, p, compile_flag)
+        optimizer = optimizer_args(row, p, compile_flag, total)
         if self.nproc > 1:
             # bagua_fused's algorithms need fairseq's legacy DDP (and fairseq's default DDP backend cannot run
             # on CPU): every row uses it, so all rows communicate the same way
@@ -265,7 +291,9 @@ class FairseqPlan:
         return cmd + optimizer
 
     def run_row(self, row: Row, compile_flag: Optional[str]) -> RowResult:
-        result = RowResult("fairseq", row.key, row.label)
+        result = RowResult("fairseq", row.key, row.label, fuse=row.fuse,
+                           clipping=row.clipping(self.preset.max_grad_norm),
+                           schedule=row.schedule(self.preset.warmup_ratio, self.total_updates()))
         try:
             cmd = self.command(row, compile_flag)
         except ValueError as exc:
@@ -273,7 +301,7 @@ class FairseqPlan:
             return result
         os.makedirs(os.path.join(self.out_dir, "logs"), exist_ok=True)
         log_path = os.path.join(self.out_dir, "logs", f"{row.key}.log")
-        epochs, valid, fused = [], [], None
+        epochs, valid, fused, group_paths = [], [], None, None
         bar = _progress_bar(self.total_updates(), f"[fairseq] {row.key}", self.progress)
         with open(log_path, "w") as log:
             log.write(" ".join(cmd) + "\n")
@@ -310,8 +338,15 @@ class FairseqPlan:
                         elif tag == "valid":
                             valid.append(stats)
                     match = _PLUGIN_LINE.search(line)
-                    if match:
+                    if match and group_paths is None:  # the plugin's first-step line, unless the recipe's came
                         fused = f"{match.group(1)} / {match.group(2)}"
+                    match = _PATHS_LINE.search(line)
+                    if match:  # the recipe's own line, logged whenever the fusion changes: the last one holds
+                        try:
+                            group_paths = json.loads(match.group(1))
+                        except json.JSONDecodeError:
+                            pass
+                        fused = f"{match.group(2)} / {match.group(3)}"
                 returncode = process.wait()
             except BaseException:
                 _kill_tree(process)
@@ -328,7 +363,7 @@ class FairseqPlan:
             result.status, result.reason = "failed", f"fairseq-train {why}; see {log_path}: {tail}"
             return result
         full = self.steps_per_epoch()
-        epoch_times, updates, optimizer_ms, compile_s, compiled = [], 0, 0.0, 0.0, []
+        epoch_times, updates, optimizer_ms, compile_s, compiled, counts = [], 0, 0.0, 0.0, [], []
         previous_updates = 0
         for stats in epochs:
             n = int(float(stats.get("train_num_updates", 0))) - previous_updates
@@ -339,6 +374,7 @@ class FairseqPlan:
             optimizer_ms += float(stats["train_opt_ms"]) * n
             compile_s += float(stats.get("train_compile_s", 0.0))
             compiled.append(float(stats.get("train_compiled", 0.0)))
+            counts.append(n)
         seconds = sum(float(s["train_epoch_s"]) for s in epochs)
         result.epoch_times_s = [round(t, 3) for t in epoch_times]
         result.epoch_time_s = sum(epoch_times) / len(epoch_times)
@@ -356,7 +392,11 @@ class FairseqPlan:
         if row.fuse is not None:
             result.compile_s = round(compile_s, 3)
             result.compiled = compiled[-1] > 0.5
+            # per-epoch means -> compiled updates; the first update creates the state and never compiles
+            compiled_updates = sum(c * n for c, n in zip(compiled, counts))
+            result.compiled_share = round(min(1.0, compiled_updates / max(1, updates - 1)), 4)
             result.fused = fused
+            result.group_paths = group_paths
         result.extra["train_loss"] = float(epochs[-1].get("train_loss", "nan"))
         result.extra["log"] = log_path
         result.extra["command"] = " ".join(cmd)

@@ -1,10 +1,14 @@
 """HF Trainer front end: every row is one ``transformers.Trainer`` run on the same model, data and seed.
 
 The optimizer of each row is built by the recipe and handed to Trainer with
-``Trainer(optimizers=(optimizer, None))`` -- Trainer still builds its own linear warmup/decay
-scheduler and clips gradients globally (``max_grad_norm``). Fused rows are built by
-``hf_plugin.create_fused_optimizer(model, args, cls, compile=...)``; unfused rows use the same
-parameter groups (``hf_plugin.trainer_param_groups``: Trainer's decay / no-decay split).
+``Trainer(optimizers=(optimizer, None))``; Trainer builds the scheduler from ``TrainingArguments``.
+For the rows of BertAdam with its defaults (``row.bertadam_defaults``: the seed's rows) BertAdam
+clips each parameter's gradient and schedules its own learning rate (``warmup``/``t_total``), so
+Trainer gets ``max_grad_norm=0`` (no clipping) and ``lr_scheduler_type="constant"`` with no warmup;
+for every other row Trainer clips globally (``max_grad_norm``) and schedules (linear warmup/decay).
+Fused rows are built by ``hf_plugin.create_fused_optimizer(model, args, cls, compile=...)``;
+unfused rows use the same parameter groups (``hf_plugin.trainer_param_groups``: Trainer's decay /
+no-decay split).
 
 :class:`StepTimer` (a ``TrainerCallback``) measures, per epoch, the wall time from
 ``on_epoch_begin`` to ``on_epoch_end`` and the time of every ``optimizer.step()`` (between
@@ -132,6 +136,7 @@ class HFPlan:
 
         p = self.preset
         total = self.total_steps()
+        frontend = row.frontend_clips_and_schedules  # else BertAdam clips per parameter and schedules itself
         settings = dict(
             output_dir=os.path.join(self.out_dir, "hf", row.key),
             per_device_train_batch_size=p.batch_size,
@@ -143,9 +148,9 @@ class HFPlan:
             adam_beta1=p.adam_betas[0],
             adam_beta2=p.adam_betas[1],
             adam_epsilon=p.adam_eps,
-            max_grad_norm=p.max_grad_norm,
-            lr_scheduler_type="linear",
-            warmup_steps=int(p.warmup_ratio * total),
+            max_grad_norm=p.max_grad_norm if frontend else 0.0,
+            lr_scheduler_type="linear" if frontend else "constant",
+            warmup_steps=int(p.warmup_ratio * total) if frontend else 0,
             seed=self.seed,
             data_seed=self.seed,
             eval_strategy="no",
@@ -179,25 +184,38 @@ class EncodedDataset(torch.utils.data.Dataset):
 
 
 # ------------------------------------------------------------------------------------ optimizers
-def build_optimizer(row: Row, model: torch.nn.Module, args) -> torch.optim.Optimizer:
+def build_optimizer(
+    row: Row, model: torch.nn.Module, args, *, total_steps: Optional[int] = None, warmup_ratio: Optional[float] = None
+) -> torch.optim.Optimizer:
     """The row's optimizer over Trainer's weight-decay / no-decay groups.
 
     Unfused rows: the class over ``hf_plugin.trainer_param_groups``. Fused rows: the plugin's one line,
     ``hf_plugin.create_fused_optimizer(model, args, cls, compile=..., **kwargs)``, which builds the same
     groups and fuses with ``replace_step=True``.
+
+    BertAdam rows with ``row.bertadam_defaults`` (the seed's): ``BertAdam(groups, lr, warmup=warmup_ratio,
+    t_total=total_steps)`` -- every other argument at BertAdam's default, so ``max_grad_norm=1.0`` clips each
+    parameter's gradient and ``warmup_linear`` schedules the learning rate; ``training_args`` turns Trainer's
+    clipping and scheduling off for these rows. Other BertAdam rows: ``max_grad_norm=-1``, ``t_total=-1``
+    (Trainer clips globally and schedules).
     """
     import hf_plugin
 
     if row.optimizer == "bertadam":
         cls = BertAdam
-        kwargs = dict(
-            b1=args.adam_beta1,
-            b2=args.adam_beta2,
-            e=args.adam_epsilon,
-            weight_decay=args.weight_decay,
-            max_grad_norm=-1.0,  # per-parameter clipping is not elementwise; Trainer clips globally
-            t_total=-1,  # Trainer's scheduler sets the learning rate
-        )
+        if row.bertadam_defaults:
+            if total_steps is None or warmup_ratio is None:
+                raise ValueError(f"row {row.key!r} needs total_steps and warmup_ratio (BertAdam's t_total, warmup)")
+            kwargs = dict(warmup=warmup_ratio, t_total=total_steps)  # weight decay: per group
+        else:
+            kwargs = dict(
+                b1=args.adam_beta1,
+                b2=args.adam_beta2,
+                e=args.adam_epsilon,
+                weight_decay=args.weight_decay,
+                max_grad_norm=-1.0,  # Trainer clips globally
+                t_total=-1,  # Trainer's scheduler sets the learning rate
+            )
     elif row.optimizer == "adamw":
         cls = torch.optim.AdamW
         impl = {"foreach": dict(foreach=True), "fused": dict(fused=True), "single": dict(foreach=False)}[row.impl]
@@ -222,17 +240,20 @@ class StepTimer(TrainerCallback):
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.epochs: List[dict] = []
+        self.compiled_steps: List[bool] = []  # per fused update: did its step run compiled
         self._epoch = None
         self._step_started = 0.0
         self._compile_before = 0.0
         self._last = 0.0
 
-    def _compile_seconds(self) -> float:
+    def _report(self):
         from bagua_integrations import fusion_report, is_fused_optimizer
 
-        if is_fused_optimizer(self.optimizer):
-            return fusion_report(self.optimizer).compile_seconds
-        return 0.0
+        return fusion_report(self.optimizer) if is_fused_optimizer(self.optimizer) else None
+
+    def _compile_seconds(self) -> float:
+        report = self._report()
+        return report.compile_seconds if report is not None else 0.0
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         _sync()
@@ -249,7 +270,10 @@ class StepTimer(TrainerCallback):
         _sync()
         now = time.perf_counter()
         elapsed = now - self._step_started
-        compile_s = self._compile_seconds() - self._compile_before
+        report = self._report()
+        compile_s = (report.compile_seconds if report is not None else 0.0) - self._compile_before
+        if report is not None:
+            self.compiled_steps.append(bool(report.compiled))
         if self._epoch is not None:
             self._epoch["steps"] += 1
             self._epoch["optimizer_s"] += elapsed - compile_s
@@ -274,12 +298,14 @@ def run_row(plan: HFPlan, row: Row) -> RowResult:
 
     from bagua_integrations import fusion_report, is_fused_optimizer
 
-    result = RowResult("hf", row.key, row.label)
+    result = RowResult("hf", row.key, row.label, fuse=row.fuse,
+                       clipping=row.clipping(plan.preset.max_grad_norm),
+                       schedule=row.schedule(plan.preset.warmup_ratio, plan.total_steps()))
     train_ds, valid_ds = plan.datasets()
     args = plan.training_args(row)
     model = plan.build_model()
     model.to(args.device)  # before fusing: the flat buffers live on the final device
-    optimizer = build_optimizer(row, model, args)
+    optimizer = build_optimizer(row, model, args, total_steps=plan.total_steps(), warmup_ratio=plan.preset.warmup_ratio)
     timer = StepTimer(optimizer)
     trainer = Trainer(
         model=model,
@@ -320,6 +346,9 @@ def run_row(plan: HFPlan, row: Row) -> RowResult:
         result.compiled = bool(report.compiled)
         result.compile_s = round(report.compile_seconds, 3)
         result.fused = f"{report.fused_params} / {report.flat_runs}"
+        result.group_paths = list(report.group_paths)
+        later = timer.compiled_steps[1:]  # the first update creates the state and never compiles
+        result.compiled_share = round(sum(later) / len(later), 4) if later else None
         if report.compile_disabled_reason:
             result.extra["compile_disabled_reason"] = report.compile_disabled_reason
     result.extra["train_loss"] = trainer.state.log_history[-1].get("train_loss") if trainer.state.log_history else None

@@ -42,9 +42,11 @@ class Preset:
     # training
     batch_size: int  # per device
     epochs: float  # a fraction trains part of one epoch; the epoch time is then extrapolated
-    lr: float
-    warmup_ratio: float
+    lr: float  # peak learning rate (BertAdam's lr; the front end's for the other rows)
+    warmup_ratio: float  # BertAdam's warmup (fraction of t_total = the updates), or the front end's warmup share
     weight_decay: float = 0.01
+    # the front end's global clip, for the rows where the front end clips (rows.Row.frontend_clips_and_schedules);
+    # BertAdam with its defaults clips each parameter to its own default, 1.0, and the front end not at all
     max_grad_norm: float = 1.0
     adam_betas: tuple = (0.9, 0.999)
     adam_eps: float = 1e-6

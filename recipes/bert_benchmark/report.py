@@ -7,9 +7,10 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from .results import RowResult, describe_hardware
-from .rows import BASELINE
+from .rows import BASELINE, ROWS
 
-__all__ = ["SEED_REFERENCE", "add_speedups", "markdown_table", "write_json", "write_png", "FRONTEND_NAMES"]
+__all__ = ["SEED_REFERENCE", "add_speedups", "markdown_table", "write_json", "write_png", "FRONTEND_NAMES",
+           "ran_eager_reason"]
 
 # The seed's table (BERT-base, 8 x V100): epoch time and accuracy without / with the fused optimizer.
 SEED_REFERENCE = {
@@ -24,18 +25,45 @@ FRONTEND_NAMES = {"hf": "HF Trainer", "fairseq": "fairseq"}
 
 
 def add_speedups(results: Sequence[RowResult]) -> None:
-    """``extra['speedup']`` (baseline epoch time / row epoch time) within each front end."""
+    """``extra['speedup']`` (baseline epoch time / row epoch time) within each front end.
+
+    A row's baseline is ``ROWS[row].baseline``: the seed's per-tensor BertAdam (``bertadam``) for the
+    seed-default BertAdam rows and the AdamW rows, the per-tensor ``bertadam-globalclip`` for the other
+    BertAdam rows -- each when it ran in the same front end, else ``bertadam``, else the first row measured.
+    """
     by_frontend: Dict[str, List[RowResult]] = {}
     for result in results:
         by_frontend.setdefault(result.frontend, []).append(result)
     for rows in by_frontend.values():
         measured = [r for r in rows if r.status == "ok" and r.epoch_time_s]
-        base = next((r for r in measured if r.row == BASELINE), measured[0] if measured else None)
-        for r in rows:
-            if base is not None and r in measured:
-                r.extra["speedup"] = base.epoch_time_s / r.epoch_time_s
-                r.extra["time_change"] = r.epoch_time_s / base.epoch_time_s - 1.0
-                r.extra["baseline"] = base.row
+        by_key = {r.row: r for r in measured}
+        fallback = by_key.get(BASELINE, measured[0] if measured else None)
+        for r in measured:
+            wanted = ROWS[r.row].baseline if r.row in ROWS else BASELINE
+            base = by_key.get(wanted, fallback)
+            r.extra["speedup"] = base.epoch_time_s / r.epoch_time_s
+            r.extra["time_change"] = r.epoch_time_s / base.epoch_time_s - 1.0
+            r.extra["baseline"] = base.row
+
+
+def ran_eager_reason(r: RowResult) -> Optional[str]:
+    """Why a row that asked for a compiled fused step ran eagerly (None: it ran compiled, or did not ask)."""
+    if r.fuse != "compiled" or r.compiled is not False or (r.compiled_share or 0.0) > 0.0:
+        return None
+    if r.extra.get("compile_disabled_reason"):
+        return str(r.extra["compile_disabled_reason"])
+    if r.group_paths and all(path == "segmented" for path in r.group_paths):
+        return "fuse_optimizer ran its segmented groups (per-parameter clipping) eagerly"
+    return "compile off"
+
+
+def _setup(r: RowResult) -> str:
+    """The table's "clipping; schedule" cell: ``per-parameter 1.0; BertAdam`` or ``global 1.0; front end``."""
+    if not r.clipping and not r.schedule:
+        return "-"
+    clip = (r.clipping or "-").split(" (")[0]
+    schedule = "-" if not r.schedule else "BertAdam" if r.schedule.startswith("BertAdam") else "front end"
+    return f"{clip}; {schedule}"
 
 
 def _fmt(value: Optional[float], spec: str, missing: str = "-") -> str:
@@ -52,28 +80,33 @@ def markdown_table(results: Sequence[RowResult], title: str, hardware: Dict, not
     """The table (one line per row), its setting, and the seed's numbers for comparison."""
     lines = [f"## {title}", "", f"Hardware: {describe_hardware(hardware)}", ""]
     lines += [
-        "| front end | optimizer | epoch time (s) | optimizer step (ms) | optimizer-step share of step time "
-        "| final accuracy | speedup (epoch time) | median update (ms) | compile (s, excluded) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| front end | optimizer | clipping; schedule | fused step (ran) | epoch time (s) | optimizer step (ms) "
+        "| optimizer-step share of step time | final accuracy | speedup (epoch time) | median update (ms) "
+        "| compile (s, excluded) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         frontend = FRONTEND_NAMES.get(r.frontend, r.frontend)
         if r.status != "ok":
             reason = " ".join(str(r.reason).split()).replace("|", "\\|")
-            lines.append(f"| {frontend} | {r.label} | {r.status}: {reason} | | | | | | |")
+            lines.append(f"| {frontend} | {r.label} | {_setup(r)} | | {r.status}: {reason} | | | | | | |")
             continue
         epoch = _seconds(r.epoch_time_s) + ("*" if r.extrapolated else "")
         speedup = r.extra.get("speedup")
         change = r.extra.get("time_change")
+        baseline = r.extra.get("baseline")
         speed = "-" if speedup is None else (
-            "1.00x (baseline)" if r.row == r.extra.get("baseline") else f"{speedup:.2f}x ({change * 100:+.1f}% time)"
+            "1.00x (baseline)" if r.row == baseline else f"{speedup:.2f}x ({change * 100:+.1f}% time)"
+            + ("" if baseline == BASELINE else f" vs {baseline}")
         )
         compile_s = "-" if not r.compile_s else f"{r.compile_s:.1f}"
         label = r.label
-        if r.compiled is False and r.row.endswith("compiled"):
-            label += " (ran eager: " + str(r.extra.get("compile_disabled_reason") or "compile off") + ")"
+        eager_reason = ran_eager_reason(r)
+        if eager_reason:
+            label += f" (ran eager: {eager_reason})"
+        label = label.replace("|", "\\|")
         lines.append(
-            f"| {frontend} | {label} | {epoch} | {_fmt(r.optimizer_step_ms, '.1f')} "
+            f"| {frontend} | {label} | {_setup(r)} | {r.fused_step()} | {epoch} | {_fmt(r.optimizer_step_ms, '.1f')} "
             f"| {_fmt(None if r.optimizer_share is None else r.optimizer_share * 100, '.1f')}% "
             f"| {_fmt(r.accuracy, '.4f')} | {speed} | {_fmt(r.median_update_ms, '.1f')} | {compile_s} |"
         )
@@ -114,7 +147,8 @@ def write_png(path: str, results: Sequence[RowResult], title: str, subtitle: str
     except ImportError as exc:
         return f"no PNG: matplotlib is not installed ({exc}); pip install 'bagua-integrations[recipes]'"
     ok = [r for r in results if r.status == "ok" and r.epoch_time_s]
-    labels = [f"{FRONTEND_NAMES.get(r.frontend, r.frontend)}: {r.label}" for r in ok]
+    labels = [f"{FRONTEND_NAMES.get(r.frontend, r.frontend)}: {r.label}"
+              + (f"\n[{r.fused_step()}]" if r.fuse else "") for r in ok]
     optimizer = [r.epoch_time_s * (r.optimizer_share or 0.0) for r in ok]
     rest = [r.epoch_time_s - o for r, o in zip(ok, optimizer)]
     height = max(2.5, 0.55 * len(ok) + 1.5)

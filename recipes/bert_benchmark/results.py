@@ -39,13 +39,38 @@ class RowResult:
     median_optimizer_ms: Optional[float] = None  # median optimizer.step()
     accuracy: Optional[float] = None  # validation accuracy after the last epoch
     compile_s: Optional[float] = None  # excluded from the times above
-    compiled: Optional[bool] = None  # the fused step ran compiled (None: not fused)
+    fuse: Optional[str] = None  # what the row asked for: None (not fused), "eager" or "compiled" (compile=True)
+    compiled: Optional[bool] = None  # what ran: the fused step ran compiled at the end of training (None: not fused)
+    # share of the fused updates after the first (which creates the state) whose step ran compiled
+    compiled_share: Optional[float] = None
     fused: Optional[str] = None  # "<fused tensors> / <flat runs>" of a fused optimizer
+    # fusion_report(optimizer).group_paths: per param group, "elementwise" (flat runs), "segmented" (flat runs,
+    # whole-parameter reductions such as BertAdam's per-parameter clipping computed per parameter; eager) or
+    # "per-tensor" (the group's exact unfused step). None: not fused, or not reported.
+    group_paths: Optional[List[str]] = None
+    clipping: Optional[str] = None  # who clips what (rows.Row.clipping)
+    schedule: Optional[str] = None  # who schedules the learning rate (rows.Row.schedule)
     epoch_times_s: List[float] = field(default_factory=list)
     extra: Dict[str, object] = field(default_factory=dict)
 
     def to_dict(self) -> Dict:
         return asdict(self)
+
+    def fused_step(self) -> str:
+        """What the fused step ran as, from the fusion report: e.g. ``"segmented, eager"`` ("-": not fused)."""
+        if self.fuse is None and self.compiled is None:
+            return "-"
+        mode = "compiled" if self.compiled else "eager"
+        share = self.compiled_share
+        if share is not None and 0.0 < share < 1.0:
+            mode = f"compiled on {share:.0%} of updates"
+        if not self.group_paths:
+            return mode
+        paths = []
+        for path in self.group_paths:  # in group order, each path once
+            if path not in paths:
+                paths.append(path)
+        return f"{'+'.join(paths)}, {mode}"
 
 
 def hardware() -> Dict[str, object]:

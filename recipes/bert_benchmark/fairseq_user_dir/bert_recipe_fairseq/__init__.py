@@ -3,9 +3,15 @@
 It registers, on top of ``fairseq_plugin`` (``--optimizer bagua_fused``, imported here):
 
 * ``--optimizer bert_adam``: the seed's per-tensor BertAdam (``bagua_integrations.optim.BertAdam``,
-  no bias correction, no per-parameter clipping: fairseq's ``--clip-norm`` clips globally, and
-  the learning-rate schedule is fairseq's ``--lr-scheduler``). As ``--optimizer bagua_fused
-  --bagua-base-optimizer bert_adam`` it is the fused BertAdam.
+  no bias correction), with BertAdam's own options and defaults: ``--bert-adam-max-grad-norm``
+  (1.0: each parameter's gradient clipped to norm 1.0; ``<= 0``: off), ``--bert-adam-warmup``,
+  ``--bert-adam-t-total`` and ``--bert-adam-schedule`` (its built-in schedule; ``-1``: off, so the
+  learning rate is fairseq's ``--lr-scheduler``'s). The recipe passes them for every row: its
+  default rows keep BertAdam's clipping and schedule (with ``--clip-norm 0 --lr-scheduler fixed``),
+  the ``bertadam-globalclip`` rows turn them off (fairseq clips globally and schedules). As
+  ``--optimizer bagua_fused --bagua-base-optimizer bert_adam`` it is the fused BertAdam; the task
+  logs ``fusion_report(...).group_paths`` and the fused parameter / flat-run counts whenever they
+  change (``bert_recipe_fairseq: fused group paths [...]; N parameter(s) through R flat run(s)``).
 * ``--optimizer torch_adamw --torch-adamw-impl foreach|fused|single``: ``torch.optim.AdamW`` with
   the chosen implementation (fairseq's own ``adam`` is a per-tensor Python loop on CPU).
 * ``--task timed_sentence_prediction``: fairseq's ``sentence_prediction`` that also logs, per
@@ -18,6 +24,8 @@ It registers, on top of ``fairseq_plugin`` (``--optimizer bagua_fused``, importe
 It changes nothing else in fairseq.
 """
 
+import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,6 +44,7 @@ from bagua_integrations import fusion_report, is_fused_optimizer
 from bagua_integrations.optim import BertAdam
 
 TIMINGS_ENV = "BERT_RECIPE_TIMINGS"
+logger = logging.getLogger("bert_recipe_fairseq")
 
 
 def _betas(value) -> tuple:
@@ -60,12 +69,25 @@ class BertAdamConfig(FairseqDataclass):
     bert_adam_betas: Any = field(default="(0.9, 0.999)", metadata={"help": "BertAdam's (b1, b2)"})
     bert_adam_eps: float = field(default=1e-6, metadata={"help": "BertAdam's epsilon"})
     weight_decay: float = field(default=0.01, metadata={"help": "decoupled weight decay"})
+    bert_adam_max_grad_norm: float = field(
+        default=1.0,
+        metadata={"help": "clip each parameter's gradient to this norm (BertAdam's default 1.0; <= 0: off)"},
+    )
+    bert_adam_warmup: float = field(
+        default=-1.0, metadata={"help": "BertAdam's warmup: fraction of --bert-adam-t-total (-1: no schedule)"}
+    )
+    bert_adam_t_total: int = field(
+        default=-1, metadata={"help": "BertAdam's t_total: updates of its schedule (-1: constant lr, fairseq's)"}
+    )
+    bert_adam_schedule: str = field(
+        default="warmup_linear", metadata={"help": "BertAdam's schedule: warmup_linear, warmup_cosine, warmup_constant"}
+    )
     lr: List[float] = II("optimization.lr")
 
 
 @register_optimizer("bert_adam", dataclass=BertAdamConfig)
 class FairseqBertAdam(FairseqOptimizer):
-    """The seed's BertAdam, one tensor at a time (its schedule and clipping off: fairseq does both)."""
+    """The seed's BertAdam, one tensor at a time, with BertAdam's own clipping and schedule options."""
 
     def __init__(self, cfg, params):
         super().__init__(cfg)
@@ -80,8 +102,10 @@ class FairseqBertAdam(FairseqOptimizer):
             "b2": b2,
             "e": float(self.cfg.bert_adam_eps),
             "weight_decay": float(self.cfg.weight_decay),
-            "max_grad_norm": -1.0,
-            "t_total": -1,
+            "max_grad_norm": float(self.cfg.bert_adam_max_grad_norm),
+            "warmup": float(self.cfg.bert_adam_warmup),
+            "t_total": int(self.cfg.bert_adam_t_total),
+            "schedule": str(self.cfg.bert_adam_schedule),
         }
 
 
@@ -138,6 +162,11 @@ def _compile_seconds(optimizer) -> float:
     return 0.0
 
 
+def _fused(optimizer):
+    inner = _torch_optimizer(optimizer)
+    return inner if isinstance(inner, torch.optim.Optimizer) and is_fused_optimizer(inner) else None
+
+
 def _compiled(optimizer) -> float:
     inner = _torch_optimizer(optimizer)
     if isinstance(inner, torch.optim.Optimizer) and is_fused_optimizer(inner):
@@ -155,6 +184,7 @@ class TimedSentencePredictionTask(SentencePredictionTask):
     """``sentence_prediction`` that logs optimizer-step and epoch times (see the module docstring)."""
 
     _mark = None
+    _fusion_logged = None
 
     def begin_epoch(self, epoch, model):
         super().begin_epoch(epoch, model)
@@ -177,6 +207,15 @@ class TimedSentencePredictionTask(SentencePredictionTask):
         metrics.log_scalar("compiled", _compiled(optimizer), weight=1, round=3)
         _record_update(ended - self._mark - compile_s, ended - started - compile_s)
         self._mark = ended
+        fused = _fused(optimizer)
+        if fused is not None:
+            report = fusion_report(fused)
+            seen = (tuple(report.group_paths), report.fused_params, report.flat_runs)
+            if seen != self._fusion_logged:  # the first step creates state; later ones show the steady path
+                self._fusion_logged = seen
+                logger.info(f"bert_recipe_fairseq: fused group paths {json.dumps(list(report.group_paths))}; "
+                            f"{report.fused_params} parameter(s) through {report.flat_runs} flat run(s); "
+                            f"update {update_num + 1}")
 
 
 _TIMINGS = {"handle": None}
