@@ -14,6 +14,7 @@ before the first backward.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Dict, Optional
 
@@ -45,8 +46,33 @@ class BaguaAlgorithmCallback(TrainerCallback):
         # Resolve now: an unknown name or bad keyword fails when the Trainer is built, on every rank,
         # not in the middle of the first collective.
         self.algorithm = load_algorithm(algorithm, **algorithm_kwargs)
-        self.trainer = trainer
+        self.trainer = None
         self.attachment: Optional[AlgorithmAttachment] = None
+        self.resume_from_checkpoint: Any = None  # what the current train() call was given
+        if trainer is not None:
+            self.bind(trainer)
+
+    def bind(self, trainer: Trainer) -> None:
+        """Set the trainer, and record the ``resume_from_checkpoint`` of each of its ``train()`` calls.
+
+        Callbacks never see that argument, and the checkpoint may lie outside ``output_dir``: the
+        per-rank files are read from the folder Trainer resumes from, not a guess.
+        """
+        self.trainer = trainer
+        train = trainer.train
+        if getattr(train, "_bagua_callback", None) is self:
+            return
+
+        @functools.wraps(train)
+        def tracked_train(resume_from_checkpoint=None, *args: Any, **kwargs: Any):
+            self.resume_from_checkpoint = resume_from_checkpoint
+            try:
+                return train(resume_from_checkpoint, *args, **kwargs)
+            finally:
+                self.resume_from_checkpoint = None
+
+        tracked_train._bagua_callback = self
+        trainer.train = tracked_train
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
@@ -78,7 +104,7 @@ class BaguaAlgorithmCallback(TrainerCallback):
         torch.save(self.attachment.rank_state_dict(), os.path.join(folder, _rank_file()))
 
     def _resume(self, args, state) -> None:
-        path = os.path.join(_checkpoint_folder(args, state), _rank_file())
+        path = os.path.join(self._resume_folder(args, state), _rank_file())
         if os.path.exists(path):
             self.attachment.load_rank_state_dict(torch.load(path, map_location="cpu", weights_only=False))
         elif self.attachment.session.replicas_differ:
@@ -89,6 +115,18 @@ class BaguaAlgorithmCallback(TrainerCallback):
                 f"and optimizer state differ, but {path} (this rank's own state) is missing: Trainer saved only "
                 "rank 0's. Resume from a checkpoint written with the Bagua callback attached, or start afresh"
             )
+
+    def _resume_folder(self, args, state) -> str:
+        resume = self.resume_from_checkpoint
+        if resume is None or resume is False:
+            resume = args.resume_from_checkpoint
+        if isinstance(resume, bool) and resume:  # Trainer's own rule for train(resume_from_checkpoint=True)
+            from transformers.trainer_utils import get_last_checkpoint
+
+            resume = get_last_checkpoint(args.output_dir)
+        if isinstance(resume, (str, os.PathLike)):
+            return os.fspath(resume)
+        return _checkpoint_folder(args, state)  # resumed some other way: where Trainer saved this step
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.attachment is None:
@@ -163,7 +201,7 @@ class BaguaTrainer(Trainer):
             )
         self.bagua_callback = callback
         if callback is not None:
-            callback.trainer = self
+            callback.bind(self)
             self.add_callback(callback)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
