@@ -222,16 +222,17 @@ class Fusion:
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
         key = tuple(seg.key for seg in segmentations)
         if key not in self.segmented:
-            self.segmented[key] = (SegmentedMode(segmentations), self.compiled_step and CompiledStep())
+            mode, compiled = SegmentedMode(segmentations), self.compiled_step and CompiledStep()
+            if compiled is not None:  # the compiled step's per-block index, built once per layout
+                for group in optimizer.param_groups:
+                    for proxy in group["params"]:
+                        seg = mode.by_shape.get(tuple(proxy.shape))
+                        if seg is not None:
+                            seg.index_blocks(proxy.device)
+            self.segmented[key] = (mode, compiled)
         mode, compiled = self.segmented[key]
-        if compiled is not None and compiled.disabled_reason is None:
-            for group in optimizer.param_groups:
-                for proxy in group["params"]:
-                    seg = mode.by_shape.get(tuple(proxy.shape))
-                    if seg is not None:
-                        seg.index_blocks(proxy.device)
-            if compiled(optimizer, raw_step, mode):
-                return True
+        if compiled is not None and compiled.disabled_reason is None and compiled(optimizer, raw_step, mode):
+            return True
         try:
             with self._eager_grad_mode(strips_grad_mode), mode:
                 raw_step(optimizer)

@@ -146,3 +146,46 @@ def scenario_value(results: List[RankResult], name: str) -> List[Any]:
     if errors:
         raise AssertionError(f"scenario {name!r} failed:\n" + "\n".join(errors))
     return [res[name][1] for res in per_rank]
+
+
+def run_torchrun_cases(script, out_dir, cases: List[str], timeout: float) -> Dict[str, Any]:
+    """``torchrun --standalone --nproc_per_node 2 script out_dir *cases`` on gloo/CPU, then the JSON
+    each case wrote as ``out_dir/<case>.json``. A timeout or a non-zero exit fails the test with
+    the run's output (never hangs: ``timeout`` seconds at most)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(script), str(out_dir), *cases]
+    try:
+        done = subprocess.run(command, env=env, cwd=str(root), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        output = "\n".join(
+            (part.decode(errors="replace") if isinstance(part, bytes) else part or "")[-3000:]
+            for part in (error.stdout, error.stderr)
+        )
+        pytest.fail(f"torchrun did not finish in {error.timeout}s:\n{output}")
+    if done.returncode != 0:
+        pytest.fail(f"torchrun exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    found = {}
+    for case in cases:
+        path = Path(out_dir) / f"{case}.json"
+        assert path.is_file(), f"the worker wrote no result for {case}:\n{done.stderr[-3000:]}"
+        found[case] = json.loads(path.read_text())
+    return found
+
+
+def case_result(results: Dict[str, Any], name: str) -> Any:
+    """One case's result from :func:`run_torchrun_cases`; fails with its traceback if it crashed."""
+    result = results[name]
+    assert "crash" not in result, f"{name} crashed:\n{result['crash']}"
+    return result

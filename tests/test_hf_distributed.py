@@ -7,14 +7,12 @@ the same runs with Trainer's / Accelerate's plain DDP and unfused optimizer.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from _dist_utils import case_result, run_torchrun_cases
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -23,7 +21,6 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
     pytest.skip("torch.distributed with gloo is required", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 STEPS = 12  # as in the worker
 TOL = dict(rtol=1e-6, atol=1e-6)
 CASES = [
@@ -48,34 +45,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_dist")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "_hf_dist_worker.py"), str(out), *CASES]
-    try:
-        done = subprocess.run(command, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=420)
-    except subprocess.TimeoutExpired as error:
-        output = "\n".join(
-            (part.decode(errors="replace") if isinstance(part, bytes) else part or "")[-3000:]
-            for part in (error.stdout, error.stderr)
-        )
-        pytest.fail(f"torchrun did not finish in {error.timeout}s:\n{output}")
-    if done.returncode != 0:
-        pytest.fail(f"torchrun exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-    found = {}
-    for case in CASES:
-        path = out / f"{case}.json"
-        assert path.is_file(), f"the worker wrote no result for {case}:\n{done.stderr[-3000:]}"
-        found[case] = json.loads(path.read_text())
-    return found
-
-
-def case(results, name):
-    result = results[name]
-    assert "crash" not in result, f"{name} crashed:\n{result['crash']}"
-    return result
+    return run_torchrun_cases(HERE / "_hf_dist_worker.py", out, CASES, timeout=420)
 
 
 def assert_same_numbers(got, ref, tol=TOL):
@@ -92,21 +62,21 @@ def assert_fused_to_the_end(result):
 
 
 def test_ranks_really_train_on_different_data(results):
-    ref = case(results, "trainer-ddp")
+    ref = case_result(results, "trainer-ddp")
     assert ref["world"] == 2 and ref["wrapped"] == "DistributedDataParallel"
     assert ref["losses"][0] != ref["losses"][1]  # so agreement below is the communication's doing
     assert ref["rank_spread"] == 0.0 and ref["moved"] > 1e-3
 
 
 def test_trainer_fused_matches_plain_ddp(results):
-    got, ref = case(results, "trainer-fused"), case(results, "trainer-ddp")
+    got, ref = case_result(results, "trainer-fused"), case_result(results, "trainer-ddp")
     assert_same_numbers(got, ref)
     assert got["rank_spread"] == 0.0
     assert_fused_to_the_end(got)
 
 
 def test_trainer_gradient_allreduce_matches_plain_ddp(results):
-    got, ref = case(results, "trainer-gradient_allreduce"), case(results, "trainer-ddp")
+    got, ref = case_result(results, "trainer-gradient_allreduce"), case_result(results, "trainer-ddp")
     assert_same_numbers(got, ref)
     assert got["rank_spread"] == 0.0  # identical weights on both ranks
     assert got["collectives"].get("all_reduce", 0) >= STEPS  # the Bagua hook, not DDP's own, reduced
@@ -115,7 +85,7 @@ def test_trainer_gradient_allreduce_matches_plain_ddp(results):
 
 def test_trainer_gradient_allreduce_with_accumulation(results):
     """gradient_accumulation_steps=2: the hook runs once per update (no_sync on the first micro-batch)."""
-    got, ref = case(results, "trainer-gradient_allreduce@ga"), case(results, "trainer-ddp@ga")
+    got, ref = case_result(results, "trainer-gradient_allreduce@ga"), case_result(results, "trainer-ddp@ga")
     assert len(got["losses"][0]) == 2 * STEPS
     assert_same_numbers(got, ref)
     assert got["rank_spread"] == 0.0
@@ -124,7 +94,7 @@ def test_trainer_gradient_allreduce_with_accumulation(results):
 
 
 def test_trainer_bytegrad(results):
-    got, ref = case(results, "trainer-bytegrad"), case(results, "trainer-ddp")
+    got, ref = case_result(results, "trainer-bytegrad"), case_result(results, "trainer-ddp")
     assert got["rank_spread"] == 0.0  # every rank decodes the same averaged gradient
     assert got["collectives"].get("all_to_all", 0) >= STEPS and got["collectives"].get("all_gather", 0) >= STEPS
     # uint8 gradients: close to exact DDP, but not equal (the compressed path really ran)
@@ -135,7 +105,7 @@ def test_trainer_bytegrad(results):
 
 def test_trainer_decentralized_keeps_gradients_local_and_averages_weights(results):
     """SGD is linear: a local step on each rank then averaging the weights == one step on averaged gradients."""
-    got, ref = case(results, "trainer-decentralized@sgd"), case(results, "trainer-ddp@sgd")
+    got, ref = case_result(results, "trainer-decentralized@sgd"), case_result(results, "trainer-ddp@sgd")
     assert_same_numbers(got, ref, dict(rtol=1e-5, atol=1e-6))
     assert got["after_step_calls"] == STEPS and got["collectives"].get("all_reduce", 0) == STEPS
     assert got["rank_spread"] < 1e-6
@@ -144,7 +114,7 @@ def test_trainer_decentralized_keeps_gradients_local_and_averages_weights(result
 
 
 def test_trainer_bmuf_block_syncs(results):
-    got = case(results, "trainer-bmuf")
+    got = case_result(results, "trainer-bmuf")
     assert got["after_step_calls"] == STEPS
     assert got["collectives"].get("all_reduce", 0) == STEPS // 4  # global_sync_iter=4
     assert got["rank_spread"] < 1e-6  # step 12 is a block sync: ranks agree again
@@ -152,7 +122,7 @@ def test_trainer_bmuf_block_syncs(results):
 
 
 def test_accelerate_gradient_allreduce_matches_plain_ddp(results):
-    got, ref = case(results, "accelerate-gradient_allreduce"), case(results, "accelerate-ddp")
+    got, ref = case_result(results, "accelerate-gradient_allreduce"), case_result(results, "accelerate-ddp")
     assert ref["report"] is None and got["wrapped"] == "DistributedDataParallel"
     assert_same_numbers(got, ref)
     assert got["rank_spread"] == 0.0 and ref["moved"] > 1e-3
@@ -162,7 +132,7 @@ def test_accelerate_gradient_allreduce_matches_plain_ddp(results):
 
 @pytest.mark.parametrize("name", ["accelerate-bytegrad", "accelerate-decentralized", "accelerate-bmuf"])
 def test_accelerate_algorithms_keep_ranks_identical(results, name):
-    got = case(results, name)
+    got = case_result(results, name)
     assert got["rank_spread"] < 1e-6
     assert got["after_step_calls"] == (STEPS if "bytegrad" not in name else 0)
     assert_fused_to_the_end(got)

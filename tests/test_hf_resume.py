@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -32,8 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from _dist_utils import case_result, run_torchrun_cases
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 STEPS, SAVE_AT = 8, 4
 ALGO_KWARGS = {
     "decentralized": {"peer_selection_mode": "all", "communication_interval": 3},
@@ -189,34 +189,7 @@ def results(tmp_path_factory):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is required")
     out = tmp_path_factory.mktemp("hf_resume")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(Path(__file__).resolve()), str(out), *CASES]
-    try:
-        done = subprocess.run(command, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as error:
-        output = "\n".join(
-            (part.decode(errors="replace") if isinstance(part, bytes) else part or "")[-3000:]
-            for part in (error.stdout, error.stderr)
-        )
-        pytest.fail(f"torchrun did not finish in {error.timeout}s:\n{output}")
-    if done.returncode != 0:
-        pytest.fail(f"torchrun exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-    found = {}
-    for case in CASES:
-        path = out / f"{case}.json"
-        assert path.is_file(), f"the worker wrote no result for {case}:\n{done.stderr[-3000:]}"
-        found[case] = json.loads(path.read_text())
-    return found
-
-
-def _case(results, name):
-    result = results[name]
-    assert "crash" not in result, f"{name} crashed:\n{result['crash']}"
-    return result
+    return run_torchrun_cases(Path(__file__).resolve(), out, CASES, timeout=240)
 
 
 def _assert_resume_is_exact(got):
@@ -233,14 +206,14 @@ def _assert_resume_is_exact(got):
 
 @pytest.mark.parametrize("name", ALGOS)
 def test_trainer_resume_equals_uninterrupted(results, name):
-    got = _case(results, f"trainer-{name}")
+    got = case_result(results, f"trainer-{name}")
     assert {"bagua_rank0.pt", "bagua_rank1.pt"} <= set(got["files"]), got["files"]
     _assert_resume_is_exact(got)
 
 
 @pytest.mark.parametrize("name", ALGOS)
 def test_trainer_resume_without_rank_files_raises_checkpoint_error(results, name):
-    got = _case(results, f"missing-{name}")
+    got = case_result(results, f"missing-{name}")
     for rank, outcome in enumerate(got["ranks"]):
         assert outcome["error"] == "CheckpointError", (rank, outcome)
         assert f"bagua_rank{rank}.pt" in outcome["message"] and name in outcome["message"]
@@ -248,7 +221,7 @@ def test_trainer_resume_without_rank_files_raises_checkpoint_error(results, name
 
 @pytest.mark.parametrize("name", ALGOS)
 def test_accelerate_save_load_state_resume_equals_uninterrupted(results, name):
-    got = _case(results, f"accelerate-{name}")
+    got = case_result(results, f"accelerate-{name}")
     assert any(f.startswith("custom_checkpoint_") for f in got["files"]), got["files"]
     _assert_resume_is_exact(got)
 

@@ -621,7 +621,6 @@ class StdScaled(_ScaledSGD):
 
 @needs_compiler
 def test_compiled_segmented_step_falls_back_to_eager_on_an_unknown_reduction():
-    data = loud_batches(4)
     a, b = BigNet(), BigNet()
     plain = StdScaled(a.parameters())
     fused = fuse_optimizer(StdScaled(b.parameters()), compile=True)
