@@ -11,6 +11,7 @@ communication algorithm (``--bagua-algorithm``), run at fairseq's extension poin
 import argparse
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -25,9 +26,10 @@ from fairseq.optim import (
 from omegaconf import II, DictConfig, OmegaConf
 
 from bagua_integrations import NotElementwiseError, fuse_optimizer, fusion_report, is_fused_optimizer
+from bagua_integrations.distributed import CheckpointError, comm
 
 from . import _algorithms, _cli
-from ._fairseq_compat import build_registered_optimizer, config_parent, set_legacy_defaults
+from ._fairseq_compat import build_registered_optimizer, call_before_each_save, config_parent, set_legacy_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,17 @@ def _flat_sections(root: Optional[DictConfig]) -> Dict[str, Any]:
     return out
 
 
+def _has_master_weights(root: Optional[DictConfig]) -> bool:
+    """Whether fairseq steps fp32 copies of the model's weights (``--fp16``/``--bf16`` without
+    ``--memory-efficient-*``): the optimizer's parameters are then not the model's."""
+    common = root.get("common") if root is not None else None
+    if common is None:
+        return False
+    half = common.get("fp16") or common.get("bf16")
+    memory_efficient = common.get("memory_efficient_fp16") or common.get("memory_efficient_bf16")
+    return bool(half) and not memory_efficient
+
+
 def build_base_optimizer(cfg, params) -> FairseqOptimizer:
     """Build ``cfg.bagua_base_optimizer`` the way ``--optimizer <base>`` would."""
     base = _cli.check_base(cfg.bagua_base_optimizer)
@@ -159,6 +172,12 @@ class BaguaFusedOptimizer(FairseqOptimizer):
         self._optimizer = torch_optimizer
         self._logged_first_step = False
         self.algorithm = _algorithms.attach(prepared, torch_optimizer, list(self.params))
+        # Under model algorithms each rank's weights and optimizer state are its own, but fairseq
+        # writes rank 0's checkpoint only: right before each save every rank's state goes to rank 0.
+        self._params_are_weights = not _has_master_weights(_root_of(cfg))
+        self._gathered = None  # (update, every rank's state) for the checkpoint being written
+        if self.algorithm is not None and self.algorithm.replicas_differ:
+            call_before_each_save(torch_optimizer, self._gather_rank_states)
         report = fusion_report(torch_optimizer)
         logger.info(
             f"bagua_fused: {self.base_name} ({type(torch_optimizer).__name__}) fused {report.fused_params} "
@@ -211,7 +230,26 @@ class BaguaFusedOptimizer(FairseqOptimizer):
         state["bagua_base_optimizer"] = self.base_name
         if self.algorithm is not None:
             state["bagua_algorithm"] = self.algorithm.state_dict()
+            gathered, self._gathered = self._gathered, None
+            if gathered is not None and gathered[0] == self.algorithm.num_updates:
+                state["bagua_ranks"] = gathered[1]
         return state
+
+    def _gather_rank_states(self):
+        """fairseq is about to save (every rank runs this): collect each rank's own state on rank 0."""
+        self._gathered = None
+        if sys.exc_info()[0] is not None:  # fairseq's crash path: one rank, its peers are elsewhere
+            logger.warning(
+                f"bagua_fused: a checkpoint written while handling an error holds rank 0's state only; "
+                f"under {self.algorithm.name} resuming from it is refused"
+            )
+            return
+        params = list(self.params) if self._params_are_weights else None
+        states = self.algorithm.gather_rank_state_dicts(params=params)
+        if states is not None:
+            # rank 0's optimizer state and weights are the checkpoint's own ("model", the state above)
+            states[0] = {"algorithm": states[0]["algorithm"]}
+            self._gathered = (self.algorithm.num_updates, states)
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         state_dict = dict(state_dict)
@@ -222,13 +260,36 @@ class BaguaFusedOptimizer(FairseqOptimizer):
                 f"{self.base_name}; resume with the same base or pass --reset-optimizer"
             )
         algorithm_state = state_dict.pop("bagua_algorithm", None)
+        ranks = state_dict.pop("bagua_ranks", None)
+        if self.algorithm is not None and ranks is not None:
+            self._load_own_rank_state(state_dict, ranks, optimizer_overrides)
+            return
         if self.algorithm is not None and algorithm_state is not None:
-            # fairseq saves rank 0's optimizer state and every rank loads it: refused (CheckpointError, on
-            # every rank) where the algorithm lets ranks' weights or optimizer state differ
+            # one rank's state loaded on every rank: refused (CheckpointError, on every rank) where
+            # the algorithm lets ranks' weights or optimizer state differ
             self.algorithm.check_resume(algorithm_state, shared=True, optimizer_state=state_dict)
         self.base_optimizer.load_state_dict(state_dict, optimizer_overrides)
         if self.algorithm is not None and algorithm_state is not None:
             self.algorithm.load_state_dict(algorithm_state, shared=True, optimizer_state=state_dict)
+
+    def _load_own_rank_state(self, state_dict, ranks, optimizer_overrides):
+        """Resume this rank from its own entry of a checkpoint that holds every rank's state."""
+        rank = comm.rank(self.algorithm.group) if self.algorithm.distributed else 0
+        own = ranks[rank] if rank < len(ranks) else ranks[0]
+        self.algorithm.check_resume(own["algorithm"])  # the same world size, this rank's entry
+        if rank != 0:
+            if own["algorithm"].get("weights_differ") and own.get("params") is None:
+                raise CheckpointError(
+                    f"this checkpoint lacks rank {rank}'s weights: it was trained with fp32 master weights "
+                    f"(--fp16/--bf16), whose per-rank values fairseq's model cannot take back under "
+                    f"{self.algorithm.name}; train with --memory-efficient-fp16 (or fp32) to resume per "
+                    "rank, or resume with --reset-optimizer knowing the run restarts from rank 0's state"
+                )
+            if own.get("optimizer") is not None:
+                state_dict.update(own["optimizer"])
+        self.base_optimizer.load_state_dict(state_dict, optimizer_overrides)
+        params = list(self.params) if own.get("params") is not None else None
+        self.algorithm.load_rank_state_dict({"algorithm": own["algorithm"], "params": own.get("params")}, params=params)
 
     def backward(self, loss):
         self.base_optimizer.backward(loss)

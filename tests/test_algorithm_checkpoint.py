@@ -70,6 +70,11 @@ def _uninterrupted(rank, world, folder, keys):
                     "algorithm": wrapped.algorithm_state_dict()}, os.path.join(folder, f"{key}.rank{rank}.pt"))
         # what the HF / Accelerate integrations write per rank next to the framework's rank-0 checkpoint
         torch.save(wrapped.session.rank_state_dict(wrapped.module), os.path.join(folder, f"{key}.own{rank}.pt"))
+        # what fairseq's adapter writes: every rank's state (weights as a parameter list) in rank 0's file
+        everyone = wrapped.session.gather_rank_state_dicts(params=list(model.parameters()))
+        assert (everyone is None) == (rank != 0)
+        if everyone is not None:
+            torch.save(everyone, os.path.join(folder, f"{key}.everyone.pt"))
         _train(wrapped, optimizer, rank, K, TOTAL)
         out[key] = [p.detach().clone() for p in model.parameters()]
         wrapped.close()
@@ -99,6 +104,13 @@ def _resumed(rank, world, folder, keys, order):
             optimizer.load_state_dict(shared["optimizer"])
             own = torch.load(os.path.join(folder, f"{key}.own{rank}.pt"), weights_only=False)
             wrapped.session.load_rank_state_dict(own, wrapped.module)
+        elif order == "gathered":  # rank 0's weights and optimizer everywhere, then this rank's gathered entry
+            shared = torch.load(os.path.join(folder, f"{key}.rank0.pt"), weights_only=False)
+            wrapped, _ = init()
+            wrapped.module.load_state_dict(shared["model"])
+            optimizer.load_state_dict(shared["optimizer"])
+            everyone = torch.load(os.path.join(folder, f"{key}.everyone.pt"), weights_only=False)
+            wrapped.session.load_rank_state_dict(everyone[rank], params=list(model.parameters()))
         elif order == "without_algorithm_state":  # the old way: weights and optimizer only
             model.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])
@@ -123,7 +135,7 @@ def reference(tmp_path_factory):
     return folder, values(run_ranks(_uninterrupted, 2, (folder, list(ALGORITHMS)), timeout=240))
 
 
-@pytest.mark.parametrize("order", ["before", "after", "framework"])
+@pytest.mark.parametrize("order", ["before", "after", "framework", "gathered"])
 def test_resume_equals_uninterrupted(reference, order):
     folder, expected = reference
     got = values(run_ranks(_resumed, 2, (folder, list(ALGORITHMS), order), timeout=240))
@@ -193,3 +205,47 @@ def test_algorithm_state_contents():
     other.attach(params, optimizer)
     assert other.num_updates == 7 and not other.has_pending_state
     assert torch.equal(other._per_tensor(other.global_params)[0], params[0] + 1)
+
+
+def _gather_states(rank, world):
+    from bagua_integrations.distributed import gather_states
+
+    # ranks hold different structures, sizes, dtypes, 0-dim and empty tensors, and plain values
+    state = {
+        "rank": rank,
+        "weights": [torch.full((rank + 1, 3), float(rank)), torch.arange(4 * rank, dtype=torch.float64)],
+        "step": torch.tensor(10.0 + rank),
+        "counts": torch.arange(rank + 2, dtype=torch.int64),
+        "nested": ({"empty": torch.empty(0, 2)}, "text", None),
+    }
+    if rank == 2:
+        state["only_here"] = torch.ones(2, 2, dtype=torch.bfloat16)
+    got = gather_states(state, dst=1)
+    if got is None:
+        return None
+    return [
+        {
+            "rank": s["rank"],
+            "weights": [w.clone() for w in s["weights"]],
+            "step": s["step"].clone(),
+            "counts": s["counts"].clone(),
+            "nested": (s["nested"][0]["empty"].shape, s["nested"][1], s["nested"][2]),
+            "only_here": s.get("only_here"),
+        }
+        for s in got
+    ]
+
+
+def test_gather_states_brings_every_ranks_state_to_one_rank():
+    got = values(run_ranks(_gather_states, 3, timeout=120))
+    assert got[0] is None and got[2] is None
+    for rank, state in enumerate(got[1]):
+        assert state["rank"] == rank
+        assert torch.equal(state["weights"][0], torch.full((rank + 1, 3), float(rank)))
+        assert torch.equal(state["weights"][1], torch.arange(4 * rank, dtype=torch.float64))
+        assert state["weights"][1].dtype == torch.float64
+        assert torch.equal(state["step"], torch.tensor(10.0 + rank)) and state["step"].dim() == 0
+        assert torch.equal(state["counts"], torch.arange(rank + 2, dtype=torch.int64))
+        assert state["nested"] == (torch.Size([0, 2]), "text", None)
+        assert (state["only_here"] is not None) == (rank == 2)
+    assert torch.equal(got[1][2]["only_here"], torch.ones(2, 2, dtype=torch.bfloat16))

@@ -193,3 +193,26 @@ def test_wrap_parse_known_args_through_fairseqs_parser(compat, private_api):
         assert json.loads(namespace.bagua_base_args) == {"momentum": 0.5, "weight_decay": 0.0}, (
             changed(name, what, f"bagua_base_args {namespace.bagua_base_args!r}")
         )
+
+
+def test_call_before_each_save_runs_from_fairseqs_consolidate_optimizer(compat, private_api):
+    """fairseq's Trainer.consolidate_optimizer (every rank, before a save) reaches the callback,
+    with and without fairseq's fp16 wrapper around the fairseq optimizer."""
+    from types import SimpleNamespace
+
+    from fairseq.trainer import Trainer
+
+    name, what = "call_before_each_save", "Trainer.consolidate_optimizer's consolidate_state_dict duck typing"
+    calls = []
+    torch_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    compat.call_before_each_save(torch_optimizer, lambda: calls.append("saved"))
+    fairseq_optimizer = SimpleNamespace(optimizer=torch_optimizer)
+    with private_api(name, what):
+        for save_optimizer_state in (True, False):
+            trainer = SimpleNamespace(
+                cfg=SimpleNamespace(checkpoint=SimpleNamespace(no_save_optimizer_state=not save_optimizer_state)),
+                optimizer=fairseq_optimizer,
+                is_fsdp=False,
+            )
+            Trainer.consolidate_optimizer(trainer)
+        assert calls == ["saved"], changed(name, what, f"callback calls {calls}")

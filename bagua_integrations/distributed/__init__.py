@@ -43,6 +43,7 @@ from .sync import (
     check_same_on_all_ranks,
     describe_model,
     describe_parameters,
+    gather_states,
 )
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "broadcast_parameters",
     "allreduce_parameters",
     "check_same_on_all_ranks",
+    "gather_states",
     "describe_model",
     "describe_parameters",
     "Reducer",

@@ -184,6 +184,13 @@ def all_gather(output, inp, group=None):
     return _launched(_all_gather_flat(output, inp, group=group, async_op=True), group, inp)
 
 
+def gather(inp: torch.Tensor, outputs: Optional[List[torch.Tensor]], dst: int, group=None):
+    """Gather ``inp`` from every rank into ``outputs`` (one per rank) on global rank ``dst``
+    (``outputs`` is None elsewhere)."""
+    collective_log.record("gather", inp)
+    return _launched(dist.gather(inp, gather_list=outputs, dst=dst, group=group, async_op=True), group, inp)
+
+
 def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group=None):
     """Send ``send`` to global rank ``peer`` and receive its tensor into ``recv``."""
     collective_log.record("exchange", send)

@@ -20,7 +20,7 @@ from ..fused_optimizer import is_fused_optimizer
 from . import comm
 from .algorithms import Algorithm
 from .errors import AlgorithmConfigError, CheckpointError
-from .sync import check_same_on_all_ranks, describe_model, describe_parameters
+from .sync import check_same_on_all_ranks, describe_model, describe_parameters, gather_states
 
 __all__ = ["AlgorithmSession"]
 
@@ -222,27 +222,48 @@ class AlgorithmSession:
         self.algorithm.load_state_dict(state.get("algorithm") or {})
         return True
 
-    def rank_state_dict(self, model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
+    def rank_state_dict(self, model: Optional[torch.nn.Module] = None,
+                        params: Optional[Sequence[torch.Tensor]] = None) -> Dict[str, Any]:
         """What this rank must save for itself, for frameworks that save one rank's checkpoint.
 
         ``{"algorithm": state_dict()}``, plus, when the algorithm lets replicas differ, this
-        rank's optimizer state and (when weights differ) ``model``'s weights. Every rank writes
-        it to its own file (the HF Trainer callback: ``bagua_rank{r}.pt`` in the checkpoint
-        folder; Accelerate: ``register_for_checkpointing``); :meth:`load_rank_state_dict` restores it.
+        rank's optimizer state and (when weights differ) ``model``'s weights, or ``params``'
+        values for frameworks that hold parameters but no module (fairseq's optimizer). Every
+        rank writes it to its own file (the HF Trainer callback: ``bagua_rank{r}.pt`` in the
+        checkpoint folder; Accelerate: ``register_for_checkpointing``) or sends it to one rank
+        (:meth:`gather_rank_state_dicts`); :meth:`load_rank_state_dict` restores it.
         """
         state: Dict[str, Any] = {"algorithm": self.state_dict()}
         if self.replicas_differ:
             if self.optimizer is not None:
                 state["optimizer"] = self.optimizer.state_dict()
-            if model is not None and self.algorithm.weights_differ:
-                state["model"] = model.state_dict()
+            if self.algorithm.weights_differ:
+                if model is not None:
+                    state["model"] = model.state_dict()
+                if params is not None:
+                    state["params"] = [p.detach() for p in params]
         return state
 
-    def load_rank_state_dict(self, state: Dict[str, Any], model: Optional[torch.nn.Module] = None) -> bool:
+    def gather_rank_state_dicts(self, model: Optional[torch.nn.Module] = None,
+                                params: Optional[Sequence[torch.Tensor]] = None) -> Optional[List[Dict[str, Any]]]:
+        """Every rank's :meth:`rank_state_dict`, by group rank, on the group's first rank (None elsewhere).
+
+        A collective (call it on every rank), for frameworks that write one checkpoint file from
+        one rank (fairseq): that rank then saves everyone's state in it. It needs memory for all
+        ranks' optimizer state (and weights, where they differ) while the checkpoint is written.
+        """
+        return gather_states(self.rank_state_dict(model, params), group=self.group, timeout=self.timeout,
+                             what=f"{self.name} checkpoint gather")
+
+    def load_rank_state_dict(self, state: Dict[str, Any], model: Optional[torch.nn.Module] = None,
+                             params: Optional[Sequence[torch.Tensor]] = None) -> bool:
         """Restore :meth:`rank_state_dict`: weights, optimizer state, then the algorithm's (in that order)."""
         self.check_resume(state["algorithm"])
         if state.get("model") is not None and model is not None:
             model.load_state_dict(state["model"])
+            self.algorithm.weights_loaded()
+        if state.get("params") is not None and params is not None:
+            _copy_params(state["params"], list(params))
             self.algorithm.weights_loaded()
         if state.get("optimizer") is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -286,3 +307,16 @@ class AlgorithmSession:
             handle.remove()
         self._handles = []
         self.algorithm.detach()
+
+
+def _copy_params(saved: Sequence[torch.Tensor], params: List[torch.Tensor]) -> None:
+    """Copy a checkpoint's parameter values into ``params`` in place (fused views stay views)."""
+    shapes = [tuple(p.shape) for p in params]
+    if [tuple(t.shape) for t in saved] != shapes:
+        raise CheckpointError(
+            f"this checkpoint holds {len(saved)} parameter(s) that do not match the {len(params)} being "
+            "trained (other shapes or order): resume with the model and optimizer that saved it"
+        )
+    with torch.no_grad():
+        for p, value in zip(params, saved):
+            p.copy_(value)

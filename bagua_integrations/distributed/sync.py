@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from typing import List, Optional
+import pickle
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -17,6 +19,7 @@ __all__ = [
     "allreduce_parameters",
     "allreduce_optimizer_state",
     "check_same_on_all_ranks",
+    "gather_states",
     "describe_model",
     "describe_parameters",
 ]
@@ -164,3 +167,135 @@ def check_same_on_all_ranks(lines: List[str], what: str, *, group=None, timeout=
         + "\nBuild the same model, optimizer (fused or not, same parameter groups) and algorithm with the "
         "same arguments on every rank before calling bagua_init / switch_to."
     )
+
+
+# ---------------------------------------------------------------------- every rank's state on one rank
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Where a tensor was in a state: its index in the flat list, its shape and dtype."""
+
+    index: int
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _without_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """``obj`` (dicts, lists, tuples of anything) with each tensor replaced by a :class:`_TensorSlot`."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {key: _without_tensors(value, tensors) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_without_tensors(value, tensors) for value in obj)
+    return obj
+
+
+def _with_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {key: _with_tensors(value, tensors) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_with_tensors(value, tensors) for value in obj)
+    return obj
+
+
+def _slots(obj: Any) -> List[_TensorSlot]:
+    """The :class:`_TensorSlot` s of a layout, in tensor order."""
+    if isinstance(obj, _TensorSlot):
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    found = [slot for value in values for slot in _slots(value)]
+    return sorted(found, key=lambda slot: slot.index)
+
+
+def _all_gather_bytes(blob: bytes, group, timeout, what: str) -> List[bytes]:
+    size = comm.world_size(group)
+    device = comm.small_tensor_device(group)
+    length = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    lengths = torch.empty(size, dtype=torch.int64, device=device)
+
+    def sizes():
+        yield comm.all_gather(lengths, length, group)
+
+    comm.run(sizes(), f"{what} (sizes)", timeout)
+    counts = [int(n) for n in lengths.tolist()]
+    longest = max(counts)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else mine[:0]
+    mine = mine.to(device)
+    everyone = torch.empty(size * longest, dtype=torch.uint8, device=device)
+
+    def blobs():
+        yield comm.all_gather(everyone, mine, group)
+
+    comm.run(blobs(), f"{what} (layouts)", timeout)
+    raw = everyone.cpu().numpy().tobytes()
+    return [raw[i * longest : i * longest + counts[i]] for i in range(size)]
+
+
+def gather_states(state: Any, *, dst: int = 0, group=None, timeout=None, what: str = "state gather") -> Optional[List[Any]]:
+    """Every rank's ``state`` (nested dicts / lists / tuples holding tensors) on rank ``dst`` of ``group``.
+
+    Returns the list of states by group rank on ``dst`` (its own entry is ``state`` itself) and
+    None on the other ranks; ``[state]`` without a process group. A collective: call it on every
+    rank. Ranks may hold different structures and tensor sizes. The layouts (small, pickled) go to
+    every rank; the tensors travel as one flat tensor per dtype, gathered on ``dst`` only, so only
+    ``dst`` needs memory for everyone's tensors. Received tensors are views of those flat
+    tensors, on the backend's device (CPU for gloo). Every collective has the ``timeout`` and
+    the stall warning of the rest of the package (no ``all_gather_object`` that could wait forever).
+    """
+    if not comm.is_distributed(group):
+        return [state]
+    tensors: List[torch.Tensor] = []
+    layout = _without_tensors(state, tensors)
+    layouts = [pickle.loads(b) for b in _all_gather_bytes(pickle.dumps(layout), group, timeout, what)]
+    rank_slots = [_slots(other) for other in layouts]
+    dtypes = sorted({slot.dtype for slots in rank_slots for slot in slots}, key=str)
+    device = comm.small_tensor_device(group)
+    me = comm.rank(group)
+    root = comm.group_ranks(group)[dst]
+    size = comm.world_size(group)
+    received: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for dtype in dtypes:
+        numels = [sum(_numel(s.shape) for s in slots if s.dtype == dtype) for slots in rank_slots]
+        longest = max(numels)
+        if longest == 0:
+            continue
+        flat = torch.zeros(longest, dtype=dtype, device=device)
+        mine = [t.reshape(-1) for t in tensors if t.dtype == dtype]
+        if mine:
+            torch.cat([t.to(device) for t in mine], out=flat[: numels[me]])
+        outputs = [torch.empty(longest, dtype=dtype, device=device) for _ in range(size)] if me == dst else None
+
+        def stages(flat=flat, outputs=outputs):
+            yield comm.gather(flat, outputs, root, group)
+
+        comm.run(stages(), f"{what} ({dtype})", timeout)
+        if outputs is not None:
+            received[dtype] = outputs
+    if me != dst:
+        return None
+    states: List[Any] = []
+    for rank, (other, slots) in enumerate(zip(layouts, rank_slots)):
+        if rank == me:
+            states.append(state)
+            continue
+        offsets = {dtype: 0 for dtype in dtypes}
+        values: List[Optional[torch.Tensor]] = [None] * len(slots)
+        for slot in slots:
+            n = _numel(slot.shape)
+            start = offsets[slot.dtype]
+            values[slot.index] = received[slot.dtype][rank][start : start + n].view(slot.shape) if n else torch.empty(
+                slot.shape, dtype=slot.dtype, device=device)
+            offsets[slot.dtype] = start + n
+        states.append(_with_tensors(other, values))
+    return states
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
