@@ -249,3 +249,52 @@ def test_gather_states_brings_every_ranks_state_to_one_rank():
         assert state["nested"] == (torch.Size([0, 2]), "text", None)
         assert (state["only_here"] is not None) == (rank == 2)
     assert torch.equal(got[1][2]["only_here"], torch.ones(2, 2, dtype=torch.bfloat16))
+
+
+SWITCH_AT, SAVE_AT, SWITCH_END = 3, 7, 11
+SWITCHED = {"peer_selection_mode": "all", "communication_interval": 3}
+
+
+def _switch_wrapper_run(rank, world, folder, how):
+    """ModelSwitchWrapper: gradient_allreduce, then decentralized from SWITCH_AT; saved at SAVE_AT."""
+    from bagua_integrations.distributed import ModelSwitchWrapper
+
+    path = os.path.join(folder, f"switch.rank{rank}.pt")
+    model = _model(0 if how == "uninterrupted" else 1 + rank)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    wrapper = ModelSwitchWrapper(model, optimizer)
+    if how == "uninterrupted":
+        wrapper.switch_to("gradient_allreduce")
+        _train(wrapper, optimizer, rank, 0, SWITCH_AT)
+        wrapper.switch_to("decentralized", **SWITCHED)
+        _train(wrapper, optimizer, rank, SWITCH_AT, SAVE_AT)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "algorithm": wrapper.algorithm_state_dict()}, path)
+    else:
+        checkpoint = torch.load(path, weights_only=False)
+        assert checkpoint["algorithm"]["name"] == "decentralized"
+        if how == "before":
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            wrapper.switch_to("decentralized", algorithm_state=checkpoint["algorithm"], **SWITCHED)
+        elif how == "after":
+            wrapper.switch_to("decentralized", **SWITCHED)
+            wrapper.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            assert wrapper.load_algorithm_state_dict(checkpoint["algorithm"])
+        else:  # the control: weights and optimizer only, the schedule restarts
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            wrapper.switch_to("decentralized", **SWITCHED)
+    _train(wrapper, optimizer, rank, SAVE_AT, SWITCH_END)
+    wrapper.wrapped.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_model_switch_wrapper_resume_equals_uninterrupted(tmp_path):
+    folder = str(tmp_path)
+    expected = values(run_ranks(_switch_wrapper_run, 2, (folder, "uninterrupted"), timeout=120))
+    for how in ("before", "after", "without_state"):
+        got = values(run_ranks(_switch_wrapper_run, 2, (folder, how), timeout=120))
+        same = all(torch.equal(a, b) for rank in range(2) for a, b in zip(got[rank], expected[rank]))
+        assert same == (how != "without_state"), f"resumed {how} switch_to: same as uninterrupted = {same}"

@@ -410,7 +410,8 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
     (momentum, Adam moments) over ranks, since model algorithms let them drift apart, and
     installs the new algorithm. Every rank must switch at the same step to the same
     algorithm; a mismatch raises :class:`ModelMismatchError` on every rank.
-    ``state_dict`` / ``load_state_dict`` are the plain model's. ``with wrapper.join():`` (or
+    ``state_dict`` / ``load_state_dict`` are the plain model's; the algorithm's checkpoint state
+    is :meth:`algorithm_state_dict` (per rank, as under ``bagua_init``). ``with wrapper.join():`` (or
     ``Join([wrapper])``) handles uneven inputs like :meth:`BaguaModule.join`; do not switch
     algorithms inside it.
     """
@@ -463,11 +464,15 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
             raise DistributedError("call switch_to(algorithm) before using the ModelSwitchWrapper")
         return self._current
 
-    def switch_to(self, distributed_algorithm: Union[str, Algorithm], **algorithm_kwargs) -> "ModelSwitchWrapper":
+    def switch_to(self, distributed_algorithm: Union[str, Algorithm], *, algorithm_state: Optional[dict] = None,
+                  **algorithm_kwargs) -> "ModelSwitchWrapper":
         """Use ``distributed_algorithm`` from now on; returns ``self``.
 
         The algorithm is built from ``algorithm_kwargs`` on top of the constructor's extra
         keyword arguments that it accepts (those are shared defaults for every algorithm).
+        ``algorithm_state``: resuming, this rank's :meth:`algorithm_state_dict` from the
+        checkpoint, with the model and optimizer already loaded (as ``bagua_init``'s): the
+        algorithm continues on schedule and, where replicas differ, ranks keep their own weights.
         """
         if isinstance(distributed_algorithm, Algorithm):
             kwargs = algorithm_kwargs
@@ -482,8 +487,22 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
             allreduce_parameters(self.module, group=group, timeout=timeout)
             for optimizer in self.optimizers:
                 allreduce_optimizer_state(optimizer, group=group, timeout=timeout)
-        self._set_current(BaguaModule(self.module, self.optimizers, algorithm, sync_initial_weights=first, **self.settings))
+        self._set_current(BaguaModule(self.module, self.optimizers, algorithm, sync_initial_weights=first,
+                                      algorithm_state=algorithm_state, **self.settings))
         return self
+
+    def algorithm_state_dict(self) -> dict:
+        """The current algorithm's checkpoint state (see :meth:`BaguaModule.algorithm_state_dict`).
+
+        It names the algorithm; on resume, switch to the same one with ``switch_to(name, ...,
+        algorithm_state=state)`` (model and optimizer loaded first) or call
+        :meth:`load_algorithm_state_dict` after ``switch_to``.
+        """
+        return self.wrapped.algorithm_state_dict()
+
+    def load_algorithm_state_dict(self, state: dict, *, shared: bool = False) -> bool:
+        """Restore :meth:`algorithm_state_dict` into the current algorithm (see :meth:`BaguaModule.load_algorithm_state_dict`)."""
+        return self.wrapped.load_algorithm_state_dict(state, shared=shared)
 
     def forward(self, *args, **kwargs):
         return self.wrapped(*args, **kwargs)
