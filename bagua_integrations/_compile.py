@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._torch_compat import dynamo_dispatches_foreach_to_modes, forget_float_specializations, inductor_backend
+from ._scalar_prologue import with_scalar_prologue
 from .errors import CompileFallbackWarning
 
 _T = torch.Tensor
@@ -136,7 +137,7 @@ class CompiledStep:
 
     def _backend(self, graph_module, example_inputs):
         self.graphs += 1
-        return inductor_backend()(graph_module, example_inputs)
+        return with_scalar_prologue(inductor_backend(), graph_module, example_inputs)
 
     @staticmethod
     def eligible(optimizer) -> bool:

@@ -24,6 +24,7 @@ __all__ = [
     "forget_float_specializations",
     "queue_end_of_backward",
     "inductor_backend",
+    "inductor_reads_thresholds_raised",
     "step_keeping_lr_scheduler_marker",
     "mark_step_taken",
     "tensor_version",
@@ -81,6 +82,28 @@ def inductor_backend() -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx
+
+
+def inductor_reads_thresholds_raised(extra_reads: int) -> dict:
+    """``compile_fx`` config patches that let each kernel read ``extra_reads`` more buffers before
+    Inductor stores an intermediate instead of recomputing it.
+
+    Private: Inductor's ``realize_reads_threshold`` (a pointwise value used twice is stored when
+    it reads more than 4 buffers) and ``realize_acc_reads_threshold`` (its CPU default:
+    ``realize_cpu_acc_reads_threshold``). Hoisted scalars (``_scalar_prologue``) are 0-dim
+    inputs that used to be computed in place and counted as no read; without this, LAMB's update
+    (4 reads + 2 bias corrections) is written to a fresh 350 MB buffer every step instead of
+    being recomputed in the two kernels that use it. Checked on torch 2.13.
+    """
+    from torch._inductor import config
+
+    acc = config.realize_acc_reads_threshold
+    if acc is None:
+        acc = getattr(config, "realize_cpu_acc_reads_threshold", config._realize_acc_reads_threshold_default)
+    return {
+        "realize_reads_threshold": config.realize_reads_threshold + extra_reads,
+        "realize_acc_reads_threshold": acc + extra_reads,
+    }
 
 
 def step_keeping_lr_scheduler_marker(optimizer: torch.optim.Optimizer, new_step: Callable) -> Callable:

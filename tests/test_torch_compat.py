@@ -128,6 +128,24 @@ def test_inductor_backend_is_a_compile_backend(private_api):
         assert len(inspect.signature(backend).parameters) >= 2, changed(name, "no (graph_module, example_inputs) signature")
 
 
+def test_inductor_reads_thresholds_raised_patches_compile_fx(private_api):
+    import inspect
+
+    from torch._inductor import config
+
+    name = "inductor_reads_thresholds_raised"
+    with private_api(name):
+        patches = compat.inductor_reads_thresholds_raised(2)
+        assert patches["realize_reads_threshold"] == config.realize_reads_threshold + 2, changed(name, str(patches))
+        assert patches["realize_acc_reads_threshold"] >= 2 + 2, changed(name, str(patches))
+        for key in patches:
+            assert hasattr(config, key), changed(name, f"inductor config has no {key}")
+        assert "config_patches" in inspect.signature(compat.inductor_backend()).parameters, changed(
+            name, "compile_fx takes no config_patches")
+        with config.patch(patches):  # the patch applies
+            assert config.realize_reads_threshold == patches["realize_reads_threshold"]
+
+
 # ------------------------------------------------------------------------------ LR-scheduler markers
 def _sgd():
     param = torch.nn.Parameter(torch.ones(2))
@@ -226,6 +244,7 @@ def test_register_state_dict_post_hook_runs_for_submodules_and_edits_in_place(pr
 TESTED = {
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "register_state_dict_post_hook",
+    "inductor_reads_thresholds_raised",
 }
 
 
