@@ -11,7 +11,7 @@ scalars that (a) are computed with ``pow``, ``exp``, ``log``, ... (b) only from 
 inputs (symbolic ints and floats: the step count, hyper-parameters) and constants, and (c) feed
 a tensor operation. Those become new graph inputs, 0-dim tensors of the compute type (float32;
 float64 beside float64 tensors) that a small Python prologue computes from the real inputs on
-every call; Inductor then sees a plain load. The values are the ones eager computes (a Python
+every call; Inductor then sees a plain load. CPU kernels only (see ``_hoistable``). The values are the ones eager computes (a Python
 float in double precision, rounded to the compute type where the kernel uses it), and the rest
 of the graph is unchanged.
 """
@@ -63,8 +63,10 @@ def _hoistable(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
     chosen = []
     for node in gm.graph.nodes:
         if replayable[node] and expensive[node] and node.op != "placeholder":
+            # CPU only: a GPU kernel evaluates such a scalar per thread at no memory cost, and a
+            # prologue there would add a host-to-device copy per value (unmeasured on GPUs so far)
             feeds_tensor_op = any(user.op in ("call_function", "call_method") and _big_tensor(user) is not None
-                                  for user in node.users)
+                                  and _big_tensor(user).device.type == "cpu" for user in node.users)
             if feeds_tensor_op:
                 chosen.append(node)
     return chosen
@@ -124,7 +126,8 @@ def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, exam
     extra_examples = []
     anchor = last_placeholder
     for index, node in enumerate(chosen):
-        uses = [u for u in node.users if u.op in ("call_function", "call_method") and _big_tensor(u) is not None]
+        uses = [u for u in node.users if u.op in ("call_function", "call_method") and _big_tensor(u) is not None
+                and _big_tensor(u).device.type == "cpu"]
         dtype = _compute_dtype(uses[0])
         device = _big_tensor(uses[0]).device
         dtypes.append(dtype)
