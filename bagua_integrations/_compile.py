@@ -27,7 +27,12 @@ from contextlib import contextmanager
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._torch_compat import dynamo_dispatches_foreach_to_modes, forget_float_specializations, inductor_backend
+from ._torch_compat import (
+    dynamo_dispatches_foreach_to_modes,
+    dynamo_recompile_limit,
+    forget_float_specializations,
+    inductor_backend,
+)
 from ._scalar_prologue import with_scalar_prologue
 from .errors import CompileFallbackWarning
 
@@ -121,7 +126,7 @@ class CompiledStep:
 
     _instances = 0
 
-    def __init__(self, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, max_graphs: int = MAX_GRAPHS, dynamic: Optional[bool] = None):
         self.max_graphs = max_graphs
         self.graphs = 0
         self.compile_seconds = 0.0
@@ -132,7 +137,7 @@ class CompiledStep:
         CompiledStep._instances += 1
         code = _step_with_scalars_as_operands.__code__.replace(co_name=f"fused_step_{CompiledStep._instances}")
         private = types.FunctionType(code, _step_with_scalars_as_operands.__globals__, code.co_name)
-        self._compiled = torch.compile(private, backend=self._backend, fullgraph=True)
+        self._compiled = torch.compile(private, backend=self._backend, fullgraph=True, dynamic=dynamic)
         dynamo_dispatches_foreach_to_modes()
 
     def _backend(self, graph_module, example_inputs):
@@ -164,7 +169,7 @@ class CompiledStep:
         started = time.perf_counter()
         forget_float_specializations()
         try:
-            with _single_tensor_groups(optimizer), torch.no_grad():
+            with _single_tensor_groups(optimizer), torch.no_grad(), dynamo_recompile_limit(self.max_graphs + 1):
                 self._compiled(optimizer, raw_step, mode)
         except Exception as exc:  # fullgraph: a failure happens before any tensor is updated
             self._disable(_describe(exc))

@@ -346,3 +346,93 @@ def _compare_segmented(opt_a, per_tensor, opt_b, runs) -> Optional[str]:
                     elif want != have:
                         return f"its state '{key}' differs per tensor ({want}) and segmented ({have})"
     return None
+
+
+def probe_per_tensor_calls(
+    optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device
+) -> Optional[str]:
+    """Return ``None`` if calling ``optimizer``'s step once per parameter equals one ordinary call, else why not.
+
+    The compiled per-tensor path (``_per_tensor.py``) runs the step with one parameter in its
+    group at a time and puts the group's settings and optimizer-level state back between calls.
+    That is exact unless the step adds bookkeeping up over the parameters of a call, or its
+    update of one parameter depends on another. Checked here on the synthetic tensors, with
+    parameters of every rank, over three steps: parameters, state, group settings and
+    optimizer-level state must equal the ordinary step's.
+    """
+    from ._per_tensor import per_parameter_calls
+
+    generator = torch.Generator().manual_seed(4321)
+    init, grads = _synthetic(device, torch.float32, generator)
+    whole = [torch.nn.Parameter(t.clone()) for t in init]
+    split = [torch.nn.Parameter(t.clone()) for t in init]
+    try:
+        opt_a = _probe_clone(optimizer, group, whole)
+        opt_b = _probe_clone(optimizer, group, split)
+    except ProbeCopyError as exc:
+        return f"it cannot be copied to be probed on synthetic tensors ({exc})"
+    step = type(optimizer).step
+    with _untouched(optimizer):
+        try:
+            for step_grads in grads:
+                for a, b, g in zip(whole, split, step_grads):
+                    a.grad, b.grad = g.clone(), g.clone()
+                step(opt_a)
+                per_parameter_calls(opt_b, step, [split], lambda call: call())
+        except Exception as exc:
+            return f"its step raised {type(exc).__name__} when called per parameter ({exc})"
+    try:
+        with torch.no_grad():
+            for i, (a, b) in enumerate(zip(whole, split)):
+                reason = _mismatch(f"parameter {i}'s update", a.reshape(-1), b.reshape(-1))
+                if reason:
+                    return reason + " when stepped alone"
+                state_a, state_b = opt_a.state.get(a, {}), opt_b.state.get(b, {})
+                if set(state_a) != set(state_b):
+                    return f"its state keys differ when a parameter is stepped alone ({sorted(state_b)})"
+                for key, value in state_a.items():
+                    reason = _same_value(f"state '{key}'", value, state_b[key])
+                    if reason:
+                        return reason + " when stepped alone"
+            settings_a = {k: v for k, v in opt_a.param_groups[0].items() if k != "params"}
+            settings_b = {k: v for k, v in opt_b.param_groups[0].items() if k != "params"}
+            for key in set(settings_a) | set(settings_b):
+                reason = _same_value(f"group setting '{key}'", settings_a.get(key), settings_b.get(key))
+                if reason:
+                    return reason + " when parameters are stepped one at a time (it counts per parameter)"
+            globals_a = {k: v for k, v in opt_a.state.items() if not isinstance(k, torch.Tensor)}
+            globals_b = {k: v for k, v in opt_b.state.items() if not isinstance(k, torch.Tensor)}
+            for key in set(globals_a) | set(globals_b):
+                reason = _same_value(f"optimizer state '{key}'", globals_a.get(key), globals_b.get(key))
+                if reason:
+                    return reason + " when parameters are stepped one at a time (it counts per parameter)"
+    except Exception as exc:
+        return f"its state cannot be compared when stepped per parameter ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _same_value(name: str, a: Any, b: Any) -> Optional[str]:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return f"{name} differs in kind or shape"
+        return _mismatch(name, a.reshape(-1), b.reshape(-1))
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{name} has different keys"
+        for key in a:
+            reason = _same_value(f"{name}['{key}']", a[key], b[key])
+            if reason:
+                return reason
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{name} has different lengths"
+        for i, (x, y) in enumerate(zip(a, b)):
+            reason = _same_value(f"{name}[{i}]", x, y)
+            if reason:
+                return reason
+        return None
+    try:
+        return None if a == b else f"{name} is {b!r}, not {a!r}"
+    except Exception:  # values that cannot be compared
+        return f"{name} cannot be compared"

@@ -25,6 +25,7 @@ __all__ = [
     "queue_end_of_backward",
     "inductor_backend",
     "inductor_reads_thresholds_raised",
+    "dynamo_recompile_limit",
     "step_keeping_lr_scheduler_marker",
     "mark_step_taken",
     "tensor_version",
@@ -104,6 +105,20 @@ def inductor_reads_thresholds_raised(extra_reads: int) -> dict:
         "realize_reads_threshold": config.realize_reads_threshold + extra_reads,
         "realize_acc_reads_threshold": acc + extra_reads,
     }
+
+
+def dynamo_recompile_limit(limit: int):
+    """A context in which Dynamo keeps up to ``limit`` graphs per code object (its default: 8).
+
+    Private: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before torch 2.6),
+    read when a frame is about to be compiled again. The per-tensor compiled step
+    (``_per_tensor.py``) builds one graph per distinct parameter shape on its private code
+    object, bounded by its own budget; Dynamo's default would stop it at 8. Checked on torch 2.13.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    return dynamo_config.patch({name: max(limit, getattr(dynamo_config, name))})
 
 
 def step_keeping_lr_scheduler_marker(optimizer: torch.optim.Optimizer, new_step: Callable) -> Callable:

@@ -22,8 +22,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available
+from ._per_tensor import PerTensorSteps
 from ._layout import FlatLayout, FusionConfig
 from ._planner import StepPlan, StepPlanner
+from ._probe import probe_per_tensor_calls
 from ._segmented import NotSegmentable, SegmentedMode
 from ._state_dict import StateDictHooks
 from ._torch_compat import mark_step_taken, step_keeping_lr_scheduler_marker, unwrapped_step
@@ -58,6 +60,11 @@ class LastStep(enum.Enum):
     ORDINARY = "ordinary"  # the class's own per-tensor step
 
 
+# Graphs the per-tensor compiled step may build: one per distinct parameter shape (and state
+# layout) and param group (BERT-base: 8 shapes); beyond it the eager step runs.
+PER_TENSOR_MAX_GRAPHS = 32
+
+
 @dataclass
 class FusionReport:
     """What the fused optimizer did on its last step (or will do, before the first one)."""
@@ -79,6 +86,9 @@ class FusionReport:
     group_paths: List[str] = field(default_factory=list)
     # per param group: why it keeps its unfused step (None where it is fused)
     group_reasons: List[Optional[str]] = field(default_factory=list)
+    # nothing fused: the exact unfused step runs compiled, one parameter per call (_per_tensor.py)
+    per_tensor_compiled: bool = False
+    per_tensor_compile_reason: Optional[str] = None  # why not, where it could have
 
 
 @dataclass
@@ -124,6 +134,9 @@ class Fusion:
         self.planner = StepPlanner(optimizer, self.layout)
         self.stats = FusionStats()
         self.compiled_step = self._compiled_step()
+        # An optimizer none of whose groups can be fused: its own step compiled one parameter per call.
+        self.per_tensor_reason: Optional[str] = None  # why that is off, when it could apply
+        self.per_tensor_steps = self._per_tensor_steps()
         # Per segmented call (runs told apart by shape): its mode, kept while the layout holds so
         # that compiled graphs stay valid, and its own compiled step (graphs, recompile budget).
         self.segmented: Dict[Tuple[str, ...], Tuple[SegmentedMode, Optional[CompiledStep]]] = {}
@@ -154,6 +167,25 @@ class Fusion:
             return None
         return CompiledStep()
 
+    def _per_tensor_steps(self) -> Optional[PerTensorSteps]:
+        layout, optimizer = self.layout, self.optimizer
+        if layout.buffers() or not any(g.reason for g in layout.groups.values()):
+            return None  # something is fused: the per-tensor parameters ride along in its step
+        if self.config.compile is False or not CompiledStep.eligible(optimizer):
+            return None
+        elements = sum(p.numel() for g in layout.groups.values() for p in g.per_tensor)
+        if self.config.compile == "auto" and elements < AUTO_MIN_ELEMENTS:
+            return None
+        if not compiler_available():
+            return None
+        for group in optimizer.param_groups:
+            for device in {p.device for p in group["params"]}:
+                reason = probe_per_tensor_calls(optimizer, group, device)
+                if reason is not None:
+                    self.per_tensor_reason = f"{type(optimizer).__name__} cannot be stepped one parameter per call: {reason}"
+                    return None
+        return PerTensorSteps(CompiledStep(max_graphs=PER_TENSOR_MAX_GRAPHS))
+
     def _after_any_step(self, optimizer, args, kwargs) -> None:
         if self._just_fused:
             self._just_fused = False
@@ -179,7 +211,10 @@ class Fusion:
         plan = self.planner.plan(self._run_cap())
         swapped = plan.swapped_state(optimizer.state)
         compiled = []
-        if any(plan.group_params) or not plan.segmented_calls:
+        if self.per_tensor_steps is not None and not plan.runs and not plan.segmented_calls:
+            with swapped_params_and_state(optimizer, plan.group_params, swapped):
+                compiled.append(self._run_per_tensor_step(plan))
+        elif any(plan.group_params) or not plan.segmented_calls:
             with swapped_params_and_state(optimizer, plan.group_params, swapped):
                 compiled.append(self._run_optimizer_step(plan))
         for params, segmentations in plan.segmented_calls:
@@ -203,6 +238,19 @@ class Fusion:
         # The first step creates state lazily; tracing it would cost a throw-away graph.
         ready = self.compiled_step is not None and bool(plan.runs) and all(run.state for run in plan.runs)
         if ready and self.compiled_step(optimizer, raw_step):
+            return True
+        with self._eager_grad_mode(strips_grad_mode):
+            raw_step(optimizer)
+        return False
+
+    def _run_per_tensor_step(self, plan: StepPlan) -> bool:
+        """Nothing fused: the optimizer's own step, compiled one parameter per call once every
+        parameter has state (the first step creates it lazily, eagerly)."""
+        optimizer = self.optimizer
+        raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
+        ready = all(optimizer.state.get(p) for params in plan.group_params for p in params if p.grad is not None)
+        if ready and self.per_tensor_steps(optimizer, raw_step, plan.group_params,
+                                           lambda: self._eager_grad_mode(strips_grad_mode)):
             return True
         with self._eager_grad_mode(strips_grad_mode):
             raw_step(optimizer)
@@ -399,7 +447,8 @@ def fusion_report(optimizer) -> FusionReport:
     """Describe how much of ``optimizer`` is fused (for the last step, or the plan before one)."""
     fusion = _fusion(optimizer)
     layout, stats = fusion.layout, fusion.stats
-    compiled = [c for c in [fusion.compiled_step] + [c for _, c in fusion.segmented.values()] if c is not None]
+    per_tensor = fusion.per_tensor_steps.compiled if fusion.per_tensor_steps is not None else None
+    compiled = [c for c in [fusion.compiled_step, per_tensor] + [c for _, c in fusion.segmented.values()] if c is not None]
     buffers = len(layout.buffers())
     if stats.last_step is LastStep.NONE:
         fused, unfused, runs = layout.fused_params(), layout.per_tensor_params(), buffers
@@ -423,4 +472,6 @@ def fusion_report(optimizer) -> FusionReport:
         step_replaced=fusion.config.replace_step,
         group_paths=[layout.groups[i].path for i in sorted(layout.groups)],
         group_reasons=[layout.groups[i].reason for i in sorted(layout.groups)],
+        per_tensor_compiled=per_tensor is not None and per_tensor.disabled_reason is None,
+        per_tensor_compile_reason=fusion.per_tensor_reason or (per_tensor.disabled_reason if per_tensor else None),
     )

@@ -8,6 +8,7 @@ Compile time is measured separately and kept out of the step times.
     python benchmarks/bench_optimizer_step.py --device cuda --dtype bf16   # on the GPU, bf16 params
 
     python benchmarks/bench_optimizer_step.py --rows elementwise        # BertAdam unclipped, torch AdamW variants
+    python benchmarks/bench_optimizer_step.py --rows unfusable          # Adafactor: eager vs compiled per parameter
     python benchmarks/bench_optimizer_step.py --rows LAMB,fused=True   # rows whose name contains one of these
 
 On CUDA each step is timed with CUDA events (median of --repeats, default 50), the host time of
@@ -76,7 +77,7 @@ def rows(shapes, device="cpu", dtype=torch.float32):
     """(name, builder) pairs; a builder takes fresh parameters (with gradients) and returns a
     zero-argument step function and the optimizer."""
 
-    def build_with(make):
+    def build_with(make, on_unsupported="raise"):
         def rows_for(fuse=None, torch_compile=False):
             def build(params):
                 opt = make(params)
@@ -84,7 +85,7 @@ def rows(shapes, device="cpu", dtype=torch.float32):
                     return torch.compile(opt.step), opt  # compiles on the first call (in the warm-up)
                 if fuse is None:
                     return opt.step, opt
-                fuse_optimizer(opt, compile=fuse)
+                fuse_optimizer(opt, compile=fuse, on_unsupported=on_unsupported)
                 return opt.fuse_step, opt
             return build
         return rows_for
@@ -92,6 +93,8 @@ def rows(shapes, device="cpu", dtype=torch.float32):
     bert_adam = build_with(lambda ps: BertAdam(ps, lr=1e-4, weight_decay=0.01))  # seed defaults: max_grad_norm=1.0
     bert_adam_no_clip = build_with(lambda ps: BertAdam(ps, lr=1e-4, weight_decay=0.01, max_grad_norm=-1.0))
     lamb = build_with(lambda ps: Lamb(ps, lr=1e-4, weight_decay=0.01))
+    # factored second moments: cannot be fused; its exact step runs compiled per parameter
+    adafactor = build_with(lambda ps: torch.optim.Adafactor(ps, lr=1e-2), on_unsupported="fallback")
 
     def adamw(fuse=None, torch_compile=False, **kwargs):
         return build_with(lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **kwargs))(fuse, torch_compile)
@@ -112,6 +115,9 @@ def rows(shapes, device="cpu", dtype=torch.float32):
         (TORCH_FUSED, adamw(fused=True)),
         ("torch AdamW fused by bagua, compiled", adamw(fuse=True)),
         ("torch.compile(AdamW.step)", adamw(torch_compile=True)),
+        ("Adafactor per-tensor", adafactor()),
+        ("Adafactor fallback (per-tensor), compiled per parameter", adafactor(fuse=True)),
+        ("torch.compile(Adafactor.step)", adafactor(torch_compile=True)),
     ]
 
 
@@ -119,6 +125,7 @@ def rows(shapes, device="cpu", dtype=torch.float32):
 ROW_SETS = {
     "seed": ["BertAdam fused (segmented)", "torch.compile(BertAdam.step)", "LAMB", "Lamb"],
     "elementwise": ["max_grad_norm=-1", "torch AdamW", "torch.compile(AdamW.step)"],
+    "unfusable": ["Adafactor"],
 }
 
 
@@ -249,7 +256,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--rows", default="seed",
                         help="'seed' (default: BertAdam with per-parameter clipping, LAMB, their torch.compile peers), "
-                        "'elementwise' (BertAdam without clipping, torch AdamW variants), 'all' (needs ~28 GB on "
+                        "'elementwise' (BertAdam without clipping, torch AdamW variants), 'unfusable' (Adafactor: "
+                        "its exact step per parameter, eager and compiled), 'all' (needs ~28 GB on "
                         "BERT-base), or comma-separated substrings of row names")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"

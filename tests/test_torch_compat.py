@@ -146,6 +146,22 @@ def test_inductor_reads_thresholds_raised_patches_compile_fx(private_api):
             assert config.realize_reads_threshold == patches["realize_reads_threshold"]
 
 
+def test_dynamo_recompile_limit_lets_one_function_keep_more_graphs(private_api):
+    name = "dynamo_recompile_limit"
+    with private_api(name):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        f = torch.compile(lambda t: t * 2, backend=backend, dynamic=False)
+        with compat.dynamo_recompile_limit(12):
+            for n in range(1, 12):  # a new static shape each call: one graph each
+                f(torch.ones(n))
+        assert len(graphs) == 11, changed(name, f"{len(graphs)} graphs for 11 shapes (Dynamo's default stops at 8)")
+
+
 # ------------------------------------------------------------------------------ LR-scheduler markers
 def _sgd():
     param = torch.nn.Parameter(torch.ones(2))
@@ -244,7 +260,7 @@ def test_register_state_dict_post_hook_runs_for_submodules_and_edits_in_place(pr
 TESTED = {
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "register_state_dict_post_hook",
-    "inductor_reads_thresholds_raised",
+    "inductor_reads_thresholds_raised", "dynamo_recompile_limit",
 }
 
 
