@@ -423,3 +423,28 @@ def test_model_algorithm_in_one_process(fs, caplog):
     again = fs.optim.build_optimizer(cfg.optimizer, list(tiny_model().parameters()))
     again.load_state_dict(state)
     assert again.algorithm.num_updates == 4
+
+
+def test_per_rank_gather_runs_before_a_save_but_not_on_the_crash_path(fs, caplog):
+    """fairseq calls consolidate_state_dict on every rank before a save, and on one failing rank
+    before crash.pt: only the first may gather (the peers of a crashing rank are not there)."""
+    from types import SimpleNamespace
+
+    from fairseq_plugin.optimizer import BaguaFusedOptimizer
+
+    calls = []
+    algorithm = SimpleNamespace(
+        name="decentralized", num_updates=7,
+        gather_rank_state_dicts=lambda params=None: calls.append(params) or [{"algorithm": {"rank": 0}}, {"algorithm": {"rank": 1}}],
+    )
+    param = torch.nn.Parameter(torch.ones(2))
+    adapter = SimpleNamespace(algorithm=algorithm, _gathered=None, _params_are_weights=True, params=[param])
+    try:
+        raise FloatingPointError("a failing update")
+    except FloatingPointError:
+        BaguaFusedOptimizer._gather_rank_states(adapter)
+    assert calls == [] and adapter._gathered is None
+    assert "rank 0's state only" in caplog.text
+    BaguaFusedOptimizer._gather_rank_states(adapter)
+    assert len(calls) == 1 and calls[0][0] is param
+    assert adapter._gathered == (7, [{"algorithm": {"rank": 0}}, {"algorithm": {"rank": 1}}])
