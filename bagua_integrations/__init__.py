@@ -40,7 +40,15 @@ from .distributed import (
     get_algorithm,
     list_algorithms,
     register_algorithm,
+    enable_module_with_bagua,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    with_bagua,
 )
+from . import contrib  # Bagua's bagua.contrib.fuse_optimizer(...)
 
 __version__ = "0.1.0"
 
@@ -80,4 +88,12 @@ __all__ = [
     "ModelMismatchError",
     "CommunicationError",
     "ReducerStateError",
+    "contrib",
+    "with_bagua",
+    "enable_module_with_bagua",
+    "init_process_group",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "get_local_size",
 ]

@@ -24,7 +24,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 from bagua_integrations.distributed import AlgorithmSession, comm, get_algorithm, list_algorithms
-from bagua_integrations.distributed.algorithms.registry import algorithm_parameters
+from bagua_integrations.distributed.algorithms.registry import algorithm_parameters, canonical_name
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +136,14 @@ def algorithm_kwargs(cfg, name: str) -> Dict[str, Any]:
 
 
 def check_name(name) -> str:
+    """The registered name for ``--bagua-algorithm NAME`` (Bagua's ``GradientAllReduce``-style names too)."""
     from ._cli import invalid_choice_message
 
     names = choices()
-    if name not in names:
+    canonical = canonical_name(name)
+    if canonical not in names:
         raise ValueError(invalid_choice_message("--bagua-algorithm", name, names))
-    return name
+    return canonical
 
 
 def _ddp_class_in(module) -> Optional[str]:

@@ -117,11 +117,12 @@ def install_base_flags(parser: argparse.ArgumentParser) -> None:
         if base not in choices:
             parser.error(invalid_choice_message("--bagua-base-optimizer", base, choices))
         if known.bagua_algorithm is not None:
-            from ._algorithms import choices as algorithm_choices
+            from ._algorithms import check_name
 
-            names = algorithm_choices()
-            if known.bagua_algorithm not in names:
-                parser.error(invalid_choice_message("--bagua-algorithm", known.bagua_algorithm, names))
+            try:
+                check_name(known.bagua_algorithm)  # a registered name, or Bagua's (GradientAllReduce, ...)
+            except ValueError as error:
+                parser.error(str(error))
         if base not in added:
             from fairseq.optim import OPTIMIZER_REGISTRY
 

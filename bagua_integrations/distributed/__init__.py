@@ -35,6 +35,15 @@ from .errors import (
     UnknownAlgorithmError,
 )
 from .module import BaguaModule, DistributedModule, ModelSwitchWrapper, StepHooks, bagua_init
+from .seed_api import (
+    enable_module_with_bagua,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    with_bagua,
+)
 from .reducer import Reducer
 from .session import AlgorithmSession
 from .sync import (
@@ -47,6 +56,13 @@ from .sync import (
 )
 
 __all__ = [
+    "with_bagua",
+    "enable_module_with_bagua",
+    "init_process_group",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "get_local_size",
     "bagua_init",
     "BaguaModule",
     "DistributedModule",

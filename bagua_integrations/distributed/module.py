@@ -418,8 +418,8 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
 
     def __init__(
         self,
-        module: torch.nn.Module,
-        optimizer: Optimizers,
+        module: Optional[torch.nn.Module] = None,
+        optimizer: Optimizers = None,
         broadcast_buffers: bool = True,
         delay_reduce: bool = False,
         hierarchical_reduce: Optional[bool] = None,
@@ -432,6 +432,10 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
         **algorithm_kwargs,
     ):
         super().__init__()
+        if module is None and "model" in algorithm_kwargs:  # the seed's example: ModelSwitchWrapper(model=model, ...)
+            module = algorithm_kwargs.pop("model")
+        if module is None:
+            raise TypeError("ModelSwitchWrapper needs the module to wrap (module=, or model= as in Bagua's example)")
         if intra_comm_root_rank != 0:
             raise AlgorithmConfigError(
                 f"intra_comm_root_rank={intra_comm_root_rank} is not supported: each node's first rank leads it"

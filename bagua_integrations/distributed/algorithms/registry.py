@@ -16,6 +16,7 @@ __all__ = [
     "accepted_kwargs",
     "algorithm_parameters",
     "DistributedAlgorithm",
+    "canonical_name",
 ]
 
 _REGISTRY: Dict[str, Callable[..., Algorithm]] = {}
@@ -54,10 +55,21 @@ def list_algorithms() -> List[str]:
     return sorted(_REGISTRY)
 
 
+def canonical_name(name: str) -> str:
+    """The registered name for ``name``: itself (any case), or one of Bagua's
+    :class:`DistributedAlgorithm` member names (``"GradientAllReduce"``, ``"Decentralize"``, ...)."""
+    key = name.lower()
+    if key not in _REGISTRY:
+        for member in DistributedAlgorithm:
+            if member.name.lower() == key:
+                return member.value
+    return key
+
+
 def _factory(name) -> Optional[Callable[..., Algorithm]]:
     if isinstance(name, enum.Enum):
         name = name.value
-    return _REGISTRY.get(name.lower()) if isinstance(name, str) else None
+    return _REGISTRY.get(canonical_name(name)) if isinstance(name, str) else None
 
 
 def algorithm_parameters(name) -> Optional[List[str]]:
@@ -98,11 +110,12 @@ def get_algorithm(name_or_obj: Union[str, Algorithm], **kwargs) -> Algorithm:
             f"distributed_algorithm must be a registered name or an Algorithm object, got "
             f"{type(name_or_obj).__name__}; registered names: {', '.join(list_algorithms())}"
         )
-    factory = _REGISTRY.get(name_or_obj.lower())
+    factory = _factory(name_or_obj)
     if factory is None:
         raise UnknownAlgorithmError(
             f"no distributed algorithm named {name_or_obj!r}; registered names: {', '.join(list_algorithms())} "
-            "(add your own with register_algorithm)"
+            f"(Bagua's names {', '.join(m.name for m in DistributedAlgorithm)} work too; add your own with "
+            "register_algorithm)"
         )
     try:
         inspect.signature(factory).bind(**kwargs)
