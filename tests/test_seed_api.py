@@ -131,3 +131,65 @@ def test_fairseq_accepts_bagua_algorithm_names():
     assert check_name("Decentralize") == "decentralized"
     with pytest.raises(ValueError, match="invalid choice"):
         check_name("nonsense")
+
+
+def _overlapping(rank, world):
+    from bagua_integrations import BucketType, OverlappingWrapper
+
+    out = {}
+    for name, kwargs in [("gradient", {}), ("weight", {"bucket_type": BucketType.Weight}),
+                         ("decentralize", {"decentralize_reduce": True, "hierarchical_reduce": False})]:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapper = OverlappingWrapper(model, [optimizer], delay_reduce=False, align_bytes=8, fusion=True, **kwargs)
+        wrapper.create_hooks()
+        x, y = _batch(rank, 0)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(wrapper(x), y).backward()
+        if name == "gradient":  # averaged gradients, compared with plain torch.distributed
+            reference = _model()
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+            for p in reference.parameters():
+                p.grad /= world
+                torch.distributed.all_reduce(p.grad)
+            out["grads_equal"] = all(torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+                                     for a, b in zip(model.parameters(), reference.parameters()))
+            wrapper.reset_reducer(hierarchical_reduce=False)
+        optimizer.step()
+        out[name] = wrapper.wrapped.algorithm.name
+        wrapper.close()
+    return out
+
+
+def test_overlapping_wrapper_maps_the_seeds_arguments_onto_bagua_init():
+    results = values(run_ranks(_overlapping, 2, timeout=120))
+    for result in results:
+        assert result == {"grads_equal": True, "gradient": "gradient_allreduce", "weight": "decentralized",
+                          "decentralize": "decentralized"}
+
+
+def test_overlapping_wrapper_refuses_what_has_no_meaning_here_by_name():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(bagua.NotApplicableError, match="bytegrad"):
+        bagua.OverlappingWrapper(model, [optimizer], chunking=True)
+    with pytest.raises(bagua.NotApplicableError, match="parameter_manager"):
+        bagua.OverlappingWrapper(model, [optimizer], parameter_manager=object())
+    with pytest.raises(bagua.AlgorithmConfigError, match="align_bytes"):
+        bagua.OverlappingWrapper(model, [optimizer], align_bytes=48)
+    with pytest.raises(bagua.NotApplicableError, match="BucketType.Param"):
+        bagua.OverlappingWrapper(model, [optimizer], bucket_type=bagua.BucketType.Param)
+    wrapper = bagua.OverlappingWrapper(model, [optimizer])  # one process: runs plainly
+    with pytest.raises(bagua.NotApplicableError, match="message_size"):
+        wrapper.reset_reducer(buckets=[[]])
+    wrapper.close()
+
+
+@pytest.mark.parametrize("call", ["add_param", "initialize_buckets", "register_bagua_buckets", "fill_slot",
+                                  "mark_bucket_ready", "mark_tensor_ready", "mark_on_complete"])
+def test_the_seeds_reducer_methods_raise_a_named_error(call):
+    reducer = bagua.Reducer([torch.nn.Parameter(torch.ones(3))], bagua.get_algorithm("gradient_allreduce"))
+    args = {"add_param": (None,), "fill_slot": (None,), "mark_tensor_ready": (None,), "mark_bucket_ready": (None, 0)}
+    with pytest.raises(bagua.NotApplicableError, match="autograd hook"):
+        getattr(reducer, call)(*args.get(call, ()))
+    reducer.detach()

@@ -31,11 +31,14 @@ from .errors import (
     DistributedError,
     JoinError,
     ModelMismatchError,
+    NotApplicableError,
     ReducerStateError,
     UnknownAlgorithmError,
 )
 from .module import BaguaModule, DistributedModule, ModelSwitchWrapper, StepHooks, bagua_init
 from .seed_api import (
+    BucketType,
+    OverlappingWrapper,
     enable_module_with_bagua,
     get_local_rank,
     get_local_size,
@@ -57,6 +60,8 @@ from .sync import (
 
 __all__ = [
     "with_bagua",
+    "OverlappingWrapper",
+    "BucketType",
     "enable_module_with_bagua",
     "init_process_group",
     "get_rank",
@@ -101,5 +106,6 @@ __all__ = [
     "ReducerStateError",
     "JoinError",
     "CheckpointError",
+    "NotApplicableError",
     "CollectiveStallWarning",
 ]

@@ -59,3 +59,7 @@ class CheckpointError(DistributedError):
     differ (each rank's weights or optimizer state are its own), a per-rank checkpoint from
     another rank or world size, or algorithm state that does not fit the parameters.
     """
+
+
+class NotApplicableError(DistributedError, NotImplementedError):
+    """A Bagua API call that has no meaning on ``torch.distributed`` here; the message says what to use."""

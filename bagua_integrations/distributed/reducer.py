@@ -11,7 +11,7 @@ from ..fused_optimizer import is_fused_optimizer
 from . import comm
 from .algorithms.base import GradientAlgorithm
 from .bucketing import Bucket, Entry, build_segments, make_buckets
-from .errors import AlgorithmConfigError, ReducerStateError
+from .errors import AlgorithmConfigError, NotApplicableError, ReducerStateError
 
 __all__ = ["Reducer"]
 
@@ -238,6 +238,36 @@ class Reducer:
                 self._finish()
             finally:
                 self._reset()
+
+    # Bagua's Reducer methods. Here buckets are built from ``message_size`` when the reducer is
+    # made, and autograd hooks mark gradients ready; the manual protocol has nothing to drive.
+    def _not_applicable(self, name: str):
+        raise NotApplicableError(
+            f"Reducer.{name}() is Bagua's manual bucket protocol; this Reducer builds its buckets from "
+            "message_size when it is made and marks each gradient ready from an autograd hook, so there is "
+            "nothing to call. Use bagua_init / with_bagua (or Reducer(params, algorithm, ...)) and backward()."
+        )
+
+    def add_param(self, param) -> None:
+        self._not_applicable("add_param")
+
+    def initialize_buckets(self):
+        self._not_applicable("initialize_buckets")
+
+    def register_bagua_buckets(self) -> None:
+        self._not_applicable("register_bagua_buckets")
+
+    def fill_slot(self, param):
+        self._not_applicable("fill_slot")
+
+    def mark_bucket_ready(self, bucket, bucket_idx) -> None:
+        self._not_applicable("mark_bucket_ready")
+
+    def mark_tensor_ready(self, param) -> None:
+        self._not_applicable("mark_tensor_ready")
+
+    def mark_on_complete(self) -> None:
+        self._not_applicable("mark_on_complete")
 
     def detach(self) -> None:
         """Remove the hooks; gradients stay where they are."""

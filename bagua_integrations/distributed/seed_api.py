@@ -12,15 +12,20 @@ A Bagua script moves here by changing ``import bagua.torch_api as bagua`` into
 
 from __future__ import annotations
 
+import enum
 import os
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from .._flat import ALIGN_BYTES
+from .errors import AlgorithmConfigError, NotApplicableError
 from .module import BaguaModule, Optimizers, bagua_init
 
 __all__ = [
+    "BucketType",
+    "OverlappingWrapper",
     "with_bagua",
     "enable_module_with_bagua",
     "init_process_group",
@@ -113,3 +118,85 @@ def get_local_rank() -> int:
 def get_local_size() -> int:
     """Processes per node (torchrun's ``LOCAL_WORLD_SIZE``; the world size when unset)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", get_world_size()))
+
+
+class BucketType(enum.Enum):
+    """Bagua's ``BucketType``: what a communication bucket holds."""
+
+    Gradient = "gradient"  # gradients, averaged before the step (gradient_allreduce)
+    Weight = "weight"  # weights, averaged after the step (decentralized)
+    Param = "param"
+
+
+_ALIGN_BYTES = ALIGN_BYTES  # where each parameter starts in this package's flat buffers, in bytes
+
+
+class OverlappingWrapper(torch.nn.Module):
+    """Bagua's communication-computation overlap wrapper, as a thin adapter over :func:`bagua_init`.
+
+    Arguments, with their meaning here:
+
+    * ``delay_reduce``: as in :func:`bagua_init` (reduce only after backward; no overlap).
+    * ``bucket_type`` / ``decentralize_reduce``: ``BucketType.Gradient`` averages gradients
+      (``gradient_allreduce``); ``decentralize_reduce=True`` or ``BucketType.Weight`` averages
+      weights after each step (``decentralized``). ``BucketType.Param`` is refused.
+    * ``hierarchical_reduce``: reduce within each node first (``LOCAL_WORLD_SIZE`` ranks).
+    * ``align_bytes``: accepted when it divides the 64-byte alignment of parameters in this
+      package's flat buffers (Bagua's default 8 does).
+    * ``fusion``: accepted either way: parameters are never moved, and a fused optimizer's flat
+      buffers are the buckets (``fusion=False`` cannot un-fuse them).
+    * ``chunking=True`` (per-rank chunks for all-to-all) is what the ``bytegrad`` algorithm does:
+      refused here with that advice. ``parameter_manager`` has no counterpart: refused.
+
+    Other keyword arguments go to the algorithm (e.g. ``message_size``, ``communication_interval``).
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizers: Optimizers, delay_reduce: bool = False,
+                 bucket_type: BucketType = BucketType.Gradient, hierarchical_reduce: bool = False,
+                 decentralize_reduce: bool = False, parameter_manager=None, align_bytes: int = 8,
+                 chunking: bool = False, fusion: bool = True, **kwargs):
+        super().__init__()
+        if parameter_manager is not None:
+            raise NotApplicableError("OverlappingWrapper(parameter_manager=...) has no counterpart here; leave it None")
+        if chunking:
+            raise NotApplicableError(
+                "OverlappingWrapper(chunking=True) is the per-rank chunking of all-to-all algorithms: use "
+                "with_bagua(model, optimizers, 'bytegrad'), whose buckets are chunked per rank"
+            )
+        if not isinstance(align_bytes, int) or align_bytes <= 0 or _ALIGN_BYTES % align_bytes:
+            raise AlgorithmConfigError(
+                f"align_bytes={align_bytes!r}: buckets here are aligned to {_ALIGN_BYTES} bytes; use a divisor of it"
+            )
+        if not isinstance(fusion, bool):
+            raise TypeError(f"fusion must be True or False, got {fusion!r}")
+        bucket_type = BucketType(bucket_type) if not isinstance(bucket_type, BucketType) else bucket_type
+        if bucket_type is BucketType.Param:
+            raise NotApplicableError("BucketType.Param buckets are not supported; use Gradient or Weight")
+        decentralized = decentralize_reduce or bucket_type is BucketType.Weight
+        self.algorithm_name = "decentralized" if decentralized else "gradient_allreduce"
+        self.optimizers = optimizers
+        self.options = dict(delay_reduce=delay_reduce, hierarchical_reduce=hierarchical_reduce, **kwargs)
+        self.wrapped = bagua_init(module, optimizers, self.algorithm_name, **self.options)[0]
+        self.module = module
+
+    def reset_reducer(self, hierarchical_reduce: Optional[bool] = None, buckets=None) -> None:
+        """Rebuild the communication with another ``hierarchical_reduce`` (``buckets`` are built from
+        ``message_size`` here and cannot be given)."""
+        if buckets is not None:
+            raise NotApplicableError("reset_reducer(buckets=...): buckets are built from message_size; pass message_size instead")
+        if hierarchical_reduce is not None:
+            self.options["hierarchical_reduce"] = hierarchical_reduce
+        self.wrapped.close()
+        self.wrapped = bagua_init(self.module, self.optimizers, self.algorithm_name, **self.options)[0]
+
+    def create_hooks(self) -> None:
+        """A no-op: the hooks are installed when the wrapper is made."""
+
+    def unwrap(self) -> torch.nn.Module:
+        return self.module
+
+    def forward(self, *inputs, **kwargs):
+        return self.wrapped(*inputs, **kwargs)
+
+    def close(self) -> None:
+        self.wrapped.close()
