@@ -58,11 +58,14 @@ class Bookkeeping:
         self._restore(self.optimizer.state, self.global_state, keep=lambda key: isinstance(key, torch.Tensor))
 
 
-def per_parameter_calls(optimizer, step, params_by_group: List[List[torch.Tensor]], run_one) -> None:
-    """Call ``run_one(stand_in_call)`` for each parameter with a gradient, in the unfused order.
+def per_parameter_calls(optimizer, params_by_group: List[List[torch.Tensor]], call_one) -> bool:
+    """Call ``call_one(p, alone)`` for each parameter with a gradient, in the unfused loop's order.
 
-    ``stand_in_call()`` runs ``step(optimizer)`` with that parameter alone in its group (as the
-    optimizer's own object here: the probe and the eager fallback use it as it is).
+    ``alone(x)`` makes ``x`` the only parameter of ``p``'s group (every other group empty);
+    ``call_one`` then runs the step. Before every call but the first, the group settings and
+    optimizer-level state are put back as they were before the step (:class:`Bookkeeping`).
+    ``call_one`` returning False stops the loop (and this returns False); the groups' parameter
+    lists are restored either way.
     """
     groups = optimizer.param_groups
     saved = [g["params"] for g in groups]
@@ -70,18 +73,23 @@ def per_parameter_calls(optimizer, step, params_by_group: List[List[torch.Tensor
     first = True
     try:
         for index, params in enumerate(params_by_group):
+
+            def alone(x, index=index):
+                for i, g in enumerate(groups):
+                    g["params"] = [x] if i == index else []
+
             for p in params:
                 if p.grad is None:
                     continue
                 if not first:
                     bookkeeping.restore()
                 first = False
-                for i, g in enumerate(groups):
-                    g["params"] = [p] if i == index else []
-                run_one(lambda: step(optimizer))
+                if call_one(p, alone) is False:
+                    return False
     finally:
         for g, params in zip(groups, saved):
             g["params"] = params
+    return True
 
 
 class _StandIns:
@@ -161,35 +169,24 @@ class PerTensorSteps:
     def __call__(self, optimizer, raw_step, params_by_group: List[List[torch.Tensor]], eager_grad_mode) -> bool:
         if self.compiled.disabled_reason is not None:
             return False
-        groups = optimizer.param_groups
         state = optimizer.state
-        saved = [g["params"] for g in groups]
-        bookkeeping = Bookkeeping(optimizer)
-        first = True
-        try:
-            for index, params in enumerate(params_by_group):
-                for p in params:
-                    if p.grad is None:
-                        continue
-                    if not first:
-                        bookkeeping.restore()
-                    real_state = state[p]
-                    stand_in, stand_in_state, bound = self.stand_ins.bind(p, real_state)
-                    state[stand_in] = stand_in_state
-                    for i, g in enumerate(groups):
-                        g["params"] = [stand_in] if i == index else []
-                    try:
-                        ran = self.compiled(optimizer, raw_step)
-                        if not ran:
-                            if first:  # nothing ran at all: the caller's eager step does everything
-                                return False
-                            with eager_grad_mode():  # the graph budget ran out mid-step: the rest eagerly
-                                raw_step(optimizer)
-                    finally:
-                        del state[stand_in]
-                        self.stand_ins.unbind(stand_in, stand_in_state, bound, real_state)
-                    first = False
-        finally:
-            for g, params in zip(groups, saved):
-                g["params"] = params
-        return True
+        done = []
+
+        def call_one(p, alone):
+            real_state = state[p]
+            stand_in, stand_in_state, bound = self.stand_ins.bind(p, real_state)
+            state[stand_in] = stand_in_state
+            alone(stand_in)
+            try:
+                if not self.compiled(optimizer, raw_step):
+                    if not done:  # nothing ran at all: the caller's eager step does everything
+                        return False
+                    with eager_grad_mode():  # the graph budget ran out mid-step: the rest eagerly
+                        raw_step(optimizer)
+            finally:
+                del state[stand_in]
+                self.stand_ins.unbind(stand_in, stand_in_state, bound, real_state)
+            done.append(p)
+            return True
+
+        return per_parameter_calls(optimizer, params_by_group, call_one)

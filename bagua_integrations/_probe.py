@@ -378,7 +378,7 @@ def probe_per_tensor_calls(
                 for a, b, g in zip(whole, split, step_grads):
                     a.grad, b.grad = g.clone(), g.clone()
                 step(opt_a)
-                per_parameter_calls(opt_b, step, [split], lambda call: call())
+                per_parameter_calls(opt_b, [split], lambda p, alone: alone(p) or step(opt_b))
         except Exception as exc:
             return f"its step raised {type(exc).__name__} when called per parameter ({exc})"
     try:
