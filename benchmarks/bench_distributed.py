@@ -4,7 +4,8 @@ Measures, on one MLP and one bucket size:
   * step time of bagua's ``gradient_allreduce`` (own flat buffers, and with a fused optimizer)
     against ``torch.nn.parallel.DistributedDataParallel`` with the same bucket size;
   * the same comparison over a sweep of bucket sizes;
-  * bytes each rank writes to its sockets per step, for every algorithm (Linux /proc/self/io).
+  * bytes each rank writes to its sockets per step, for every algorithm (Linux /proc/self/io);
+  * Bagua's autotuner searching the bucket size, and the tuned setting against the default and DDP.
 
 Variants run interleaved in rounds inside the same two processes so that background load
 hits them alike; the reported time is the median step time of rank 0.
@@ -122,6 +123,28 @@ def _bytes_per_step(variant, args, rank, steps: int) -> float:
     return None if meter.bytes is None else meter.bytes / steps
 
 
+def _autotuned(args, rank):
+    """Bagua's autotuner on gradient_allreduce's bucket size (the sweep's sizes and the default), then
+    the tuned setting interleaved with the default and DDP."""
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    tuned = Variant("gradient_allreduce (autotuned)", args, "gradient_allreduce")
+    tuner = tuned.wrapped.enable_autotune(max_trials=args.autotune_trials,
+                                          message_sizes=sorted(set(args.sweep) | {args.message_size}), seed=0)
+    started, steps = time.perf_counter(), 0
+    while not tuner.done:
+        tuned.step(x, y)  # the first step after a change builds buckets: not measured
+        times = [tuned.step(x, y) for _ in range(max(3, args.steps))]
+        steps += 1 + len(times)
+        tuned.wrapped.report_metrics(1.0 / statistics.median(times))
+        tuned.wrapped.ask_and_update_hyperparameters()
+    search = {"seconds": time.perf_counter() - started, "steps": steps, "report": tuned.wrapped.autotune_report()}
+    compared = _interleaved([Variant("ddp", args, ddp=True), Variant("gradient_allreduce (default)", args, "gradient_allreduce"),
+                             tuned], args, rank)
+    return {"compare": compared, "search": search}
+
+
 def worker(rank, world, port, args, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -144,6 +167,8 @@ def worker(rank, world, port, args, out_path):
         sweep[size] = _interleaved(pair, argparse.Namespace(**{**vars(args), "rounds": max(2, args.rounds // 2)}), rank)
         sweep[size]["buckets"] = [_bucket_count(v) for v in pair]
     results["sweep"] = sweep
+    if args.autotune_trials:
+        results["autotune"] = _autotuned(args, rank)
 
     traffic = {}
     algorithms = [
@@ -197,6 +222,20 @@ def report(results, args) -> str:
         low, mid, high = pair["ratios"]["gradient_allreduce"]
         lines.append(f"| {int(size) / MB:g} MB | {ddp_buckets} / {our_buckets} | {pair['ddp']:.1f} | "
                      f"{pair['gradient_allreduce']:.1f} | {mid:.3f}x [{low:.2f}-{high:.2f}] |")
+    if "autotune" in results:
+        tuned = results["autotune"]
+        search = tuned["search"]
+        best = search["report"]["best"]
+        lines += ["", f"## autotune (Optuna TPE over bucket sizes {sorted(set(args.sweep) | {args.message_size})}, "
+                  f"{search['report']['max_trials']} trials)",
+                  f"search: {len(search['report']['history'])} trials, {search['steps']} steps, {search['seconds']:.1f} s; "
+                  f"chosen message_size {best['settings']['message_size'] / MB:g} MB",
+                  "", "| variant | ms/step | vs DDP |", "|---|---:|---:|"]
+        compare = tuned["compare"]
+        for name, ms in compare.items():
+            if name != "ratios":
+                low, mid, high = compare["ratios"][name]
+                lines.append(f"| {name} | {ms:.1f} | {mid:.3f}x [{low:.2f}-{high:.2f}] |")
     lines += ["", "## bytes written to sockets per step (rank 0)", "| algorithm | MB/step | vs gradient_allreduce |", "|---|---:|---:|"]
     traffic = results["bytes_per_step"]
     base = traffic.get("gradient_allreduce")
@@ -217,6 +256,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--message-size", type=int, default=4 * MB, help="bucket bytes (bagua message_size, DDP bucket_cap_mb)")
     parser.add_argument("--sweep", type=int, nargs="*", default=[MB // 4, MB, 4 * MB, 16 * MB])
+    parser.add_argument("--autotune-trials", type=int, default=8, help="autotuner trials (0: skip the autotune rows)")
     parser.add_argument("--json", help="also write the raw numbers here")
     args = parser.parse_args(argv)
     out_path = args.json or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_distributed_{os.getpid()}.json")

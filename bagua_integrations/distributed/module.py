@@ -104,6 +104,9 @@ class BaguaModule(torch.nn.Module, Joinable):
         self.timeout = comm.as_timedelta(timeout)
         self.reducer: Optional[Reducer] = None
         self.session: Optional[AlgorithmSession] = None
+        self.message_size = int(message_size)
+        self._reducer_options = dict(delay_reduce=delay_reduce, find_unused_parameters=find_unused_parameters)
+        self.autotuner = None  # set by enable_autotune / the first ask_and_update_hyperparameters
         self._handles: list = []
         self.distributed = comm.is_distributed(process_group)
         if algorithm.kind == "model" and len(self.optimizers) != 1:
@@ -178,6 +181,76 @@ class BaguaModule(torch.nn.Module, Joinable):
         if self.session is None:
             return False
         return self.session.load_state_dict(state, shared=shared)
+
+    # ------------------------------------------------------------------ autotuning (Bagua's API)
+    def communication_setting(self, key: str):
+        """The value of a tunable setting: ``message_size`` or the algorithm's ``communication_interval``."""
+        if key == "message_size":
+            return self.message_size
+        if key == "communication_interval" and hasattr(self.algorithm, key):
+            return self.algorithm.communication_interval
+        raise AlgorithmConfigError(f"{key!r} is not a communication setting of {self.algorithm.name}")
+
+    def apply_communication_settings(self, message_size: Optional[int] = None,
+                                     communication_interval: Optional[int] = None) -> None:
+        """Change settings between two steps, on every rank alike (the autotuner broadcasts them).
+
+        ``message_size`` rebuilds the gradient buckets (never during a backward).
+        """
+        if communication_interval is not None:
+            if int(communication_interval) < 1 or not hasattr(self.algorithm, "communication_interval"):
+                raise AlgorithmConfigError(f"communication_interval={communication_interval} does not apply here")
+            self.algorithm.communication_interval = int(communication_interval)
+        if message_size is not None and int(message_size) != self.message_size:
+            self.message_size = int(message_size)
+            if hasattr(self.algorithm, "message_size"):
+                self.algorithm.message_size = self.message_size
+            if self.reducer is not None:
+                self.reducer.check_not_interrupted()
+                self.reducer.detach()
+                self.reducer = Reducer(self.module.parameters(), self.algorithm, optimizers=self.optimizers,
+                                       message_size=self.message_size, group=self.process_group,
+                                       timeout=self.timeout, **self._reducer_options)
+
+    def enable_autotune(self, max_trials: int = 20, interval: Optional[int] = None, **search) -> "Autotuner":
+        """Start Bagua's autotuner (a collective: every rank, at the same point, between steps).
+
+        ``interval``: also measure steps/s and tune by itself every ``interval`` optimizer steps
+        (``bagua_init(..., autotune=True)``); without it, call :meth:`report_metrics` and
+        :meth:`ask_and_update_hyperparameters` yourself. ``search``: ``message_sizes=``,
+        ``intervals=``, ``seed=`` (see :class:`~bagua_integrations.distributed.autotune.Autotuner`).
+        """
+        from .autotune import Autotuner, AutotuneStepper
+
+        if self.autotuner is not None:
+            raise AlgorithmConfigError("the autotuner is already running on this model")
+        self.autotuner = Autotuner(self, max_trials=max_trials, **search)
+        if interval is not None:
+            stepper = AutotuneStepper(self.autotuner, interval)
+            self._handles.append(self.optimizers[0].register_step_post_hook(lambda *_: stepper.after_step()))
+        return self.autotuner
+
+    def report_metrics(self, score_record_list) -> None:
+        """Bagua's ``report_metrics``: this rank's speed measurements (higher is better) for the current trial."""
+        if self.autotuner is None:
+            raise AlgorithmConfigError("call enable_autotune() (or bagua_init(..., autotune=True)) before report_metrics")
+        self.autotuner.report_metrics(score_record_list)
+
+    def ask_and_update_hyperparameters(self) -> bool:
+        """Bagua's ``ask_and_update_hyperparameters``: end the trial, apply the next setting; whether it changed.
+
+        A collective: every rank calls it at the same point, between steps. Starts the autotuner
+        with its defaults on the first call if :meth:`enable_autotune` was not called.
+        """
+        if self.autotuner is None:
+            self.enable_autotune()
+        return self.autotuner.ask_and_update()
+
+    def autotune_report(self) -> dict:
+        """The autotuner's trials (settings and mean scores), the best one and whether the search ended."""
+        if self.autotuner is None:
+            return {"history": [], "best": None, "done": False, "current": None, "max_trials": 0}
+        return self.autotuner.report()
 
     # ------------------------------------------------------------------ nn.Module
     def forward(self, *args, **kwargs):
@@ -356,6 +429,10 @@ def bagua_init(
     find_unused_parameters: bool = True,
     timeout: comm.Timeout = None,
     algorithm_state: Optional[dict] = None,
+    autotune: bool = False,
+    autotune_trials: int = 20,
+    autotune_interval: int = 20,
+    autotune_options: Optional[dict] = None,
     **algorithm_kwargs,
 ):
     """Make ``module`` data parallel with ``distributed_algorithm``; return ``(wrapped_model, optimizer)``.
@@ -382,6 +459,11 @@ def bagua_init(
             checkpoint, when the model and optimizer state were loaded before ``bagua_init``.
             For algorithms whose replicas differ (``algorithm.replicas_differ``) rank 0's
             weights are then not broadcast: each rank keeps the weights it loaded.
+        autotune: tune the communication settings while training (Bagua's autotuner, Optuna's
+            TPE sampler; ``pip install 'bagua-integrations[autotune]'``): ``autotune_trials``
+            settings, each measured over ``autotune_interval`` optimizer steps;
+            ``autotune_options``: ``message_sizes=``, ``intervals=``, ``seed=``. See
+            :meth:`BaguaModule.autotune_report`.
 
     Without a process group (or with one rank) the model runs plainly.
     """
@@ -398,6 +480,8 @@ def bagua_init(
         timeout=timeout,
         algorithm_state=algorithm_state,
     )
+    if autotune and wrapped.distributed:
+        wrapped.enable_autotune(max_trials=autotune_trials, interval=autotune_interval, **(autotune_options or {}))
     return wrapped, optimizer
 
 
@@ -544,6 +628,17 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
 
     def unwrap(self) -> torch.nn.Module:
         return self.module
+
+    def report_metrics(self, score_record_list) -> None:
+        """Bagua's autotuner: see :meth:`BaguaModule.report_metrics` (the current algorithm's tuner)."""
+        self.wrapped.report_metrics(score_record_list)
+
+    def ask_and_update_hyperparameters(self) -> bool:
+        """Bagua's autotuner: see :meth:`BaguaModule.ask_and_update_hyperparameters`. A switch starts a new search."""
+        return self.wrapped.ask_and_update_hyperparameters()
+
+    def autotune_report(self) -> dict:
+        return self.wrapped.autotune_report()
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
