@@ -69,6 +69,17 @@ class BaguaFusedOptions(FairseqDataclass):
             "--ddp-backend legacy_ddp): " + ", ".join(_algorithms.ALGORITHMS)
         },
     )
+    bagua_autotune: bool = field(
+        default=False,
+        metadata={
+            "help": "tune the algorithm's communication settings while training (Bagua's autotuner, Optuna "
+            "TPE): the gradient bucket size, or decentralized's communication interval"
+        },
+    )
+    bagua_autotune_trials: int = field(default=20, metadata={"help": "--bagua-autotune: settings tried"})
+    bagua_autotune_interval: int = field(
+        default=20, metadata={"help": "--bagua-autotune: updates measured per setting"}
+    )
 
 
 @dataclass
@@ -172,6 +183,10 @@ class BaguaFusedOptimizer(FairseqOptimizer):
         self._optimizer = torch_optimizer
         self._logged_first_step = False
         self.algorithm = _algorithms.attach(prepared, torch_optimizer, list(self.params))
+        if getattr(cfg, "bagua_autotune", False):
+            if self.algorithm is None:
+                raise ValueError("--bagua-autotune tunes a Bagua algorithm: add --bagua-algorithm NAME")
+            self.algorithm.enable_autotune(max_trials=cfg.bagua_autotune_trials, interval=cfg.bagua_autotune_interval)
         # Under model algorithms each rank's weights and optimizer state are its own, but fairseq
         # writes rank 0's checkpoint only: right before each save every rank's state goes to rank 0.
         self._params_are_weights = not _has_master_weights(_root_of(cfg))

@@ -42,10 +42,14 @@ class BaguaAlgorithmCallback(TrainerCallback):
     DDP wrapper): pass ``trainer=`` or use :func:`use_bagua_algorithm` / :class:`BaguaTrainer`.
     """
 
-    def __init__(self, algorithm: Any, trainer: Optional[Trainer] = None, **algorithm_kwargs: Any):
+    def __init__(self, algorithm: Any, trainer: Optional[Trainer] = None, *, autotune: Optional[Dict[str, Any]] = None,
+                 **algorithm_kwargs: Any):
         # Resolve now: an unknown name or bad keyword fails when the Trainer is built, on every rank,
         # not in the middle of the first collective.
         self.algorithm = load_algorithm(algorithm, **algorithm_kwargs)
+        # Bagua's autotuner: Trainer's DDP fixes its buckets (ddp_bucket_cap_mb), so what is tuned
+        # here is decentralized's communication_interval, every `interval` updates (default 20)
+        self.autotune = None if autotune is None else dict(autotune)
         self.trainer = None
         self.attachment: Optional[AlgorithmAttachment] = None
         self.resume_from_checkpoint: Any = None  # what the current train() call was given
@@ -90,8 +94,23 @@ class BaguaAlgorithmCallback(TrainerCallback):
         if self.attachment is not None and self.attachment.wraps(wrapped):
             return  # a second train() call on the same DDP model: the hook is already in place
         self.attachment = attach_algorithm(self.algorithm, wrapped, optimizer=trainer.optimizer)
+        if self.attachment is not None and self.autotune is not None:
+            self._start_autotune()
         if self.attachment is not None and state.global_step > 0:
             self._resume(args, state)
+
+    def _start_autotune(self) -> None:
+        from bagua_integrations.distributed import AlgorithmConfigError
+
+        options = dict(self.autotune)
+        options.setdefault("interval", 20)
+        try:
+            self.attachment.session.enable_autotune(settings=("communication_interval",), **options)
+        except AlgorithmConfigError as error:
+            raise UnsupportedSetupError(
+                f"bagua_autotune: {error}. Under Trainer, DDP builds its gradient buckets once "
+                "(TrainingArguments.ddp_bucket_cap_mb); the autotuner tunes decentralized's communication_interval"
+            ) from None
 
     # Trainer writes its checkpoint (model, optimizer.pt) from rank 0 only; under an algorithm whose
     # replicas differ each rank's weights and optimizer state are its own, so every rank also writes
@@ -173,6 +192,9 @@ class BaguaTrainer(Trainer):
             algorithm object; ``None`` keeps Trainer's plain DDP allreduce.
         bagua_algorithm_kwargs: keyword arguments of the algorithm (e.g. ``{"global_sync_iter": 4}``
             for ``bmuf``).
+        bagua_autotune: ``True`` or a dict (``max_trials``, ``interval`` in updates, ``intervals``,
+            ``seed``): Bagua's autotuner on ``decentralized``'s communication interval, scored by
+            the updates/s it measures (Trainer's DDP fixes the bucket size itself).
     """
 
     def __init__(
@@ -182,6 +204,7 @@ class BaguaTrainer(Trainer):
         fuse_kwargs: Optional[Dict[str, Any]] = None,
         bagua_algorithm: Any = None,
         bagua_algorithm_kwargs: Optional[Dict[str, Any]] = None,
+        bagua_autotune: Any = None,
         **kwargs: Any,
     ):
         fuse_kwargs = dict(fuse_kwargs or {})
@@ -192,7 +215,10 @@ class BaguaTrainer(Trainer):
         # Resolve the algorithm before Trainer's (slow) setup so a typo fails at once.
         callback = None
         if bagua_algorithm is not None:
-            callback = BaguaAlgorithmCallback(bagua_algorithm, **dict(bagua_algorithm_kwargs or {}))
+            autotune = {} if bagua_autotune is True else (dict(bagua_autotune) if bagua_autotune else None)
+            callback = BaguaAlgorithmCallback(bagua_algorithm, autotune=autotune, **dict(bagua_algorithm_kwargs or {}))
+        elif bagua_autotune:
+            raise ValueError("bagua_autotune tunes a Bagua algorithm: pass bagua_algorithm too")
         super().__init__(*args, **kwargs)
         if self.bagua_fuse_optimizer and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise UnsupportedSetupError(

@@ -97,9 +97,20 @@ def run_trainer_case(name, out_dir):
         trainer = Trainer(**kwargs)
     elif name == "fused":
         trainer = hf_plugin.BaguaTrainer(**kwargs)
+    elif name == "decentralized+autotune":
+        trainer = hf_plugin.BaguaTrainer(**kwargs, bagua_algorithm="decentralized",
+                                         bagua_algorithm_kwargs=ALGO_KWARGS["decentralized"],
+                                         bagua_autotune={"max_trials": 3, "interval": 2, "intervals": [1, 2, 3]})
     else:
         trainer = hf_plugin.BaguaTrainer(**kwargs, bagua_algorithm=name, bagua_algorithm_kwargs=ALGO_KWARGS.get(name))
     trainer.train()
+    if name == "decentralized+autotune":
+        session = trainer.bagua_callback.attachment.session
+        report = session.autotuner.report()
+        extra = {"autotune_trials": len(report["history"]), "autotune_done": report["done"],
+                 "intervals": gather_object(session.algorithm.communication_interval)}
+        recorder.remove()
+        return summarize(recorder.losses, U.flat_params(model), initial, trainer.optimizer, extra)
     recorder.remove()
     wrapped = type(trainer.model_wrapped).__name__
     callback = getattr(trainer, "bagua_callback", None)

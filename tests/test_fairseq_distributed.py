@@ -182,3 +182,14 @@ def test_model_algorithm_resume_equals_the_uninterrupted_run(corpus, tmp_path, r
         assert [resumed[rank][u]["sha"] for u in range(8, UPDATES + 1)] == [
             full[rank][u]["sha"] for u in range(8, UPDATES + 1)
         ], f"rank {rank} left the uninterrupted run after resuming under {algorithm}"
+
+
+def test_bagua_autotune_tunes_the_bucket_size_and_ranks_stay_identical(corpus, tmp_path):
+    pytest.importorskip("optuna")
+    args = bagua("--bagua-algorithm", "gradient_allreduce", "--bagua-autotune", "--bagua-autotune-trials", "3",
+                 "--bagua-autotune-interval", "2")
+    run, ranks = finish(*launch(corpus, tmp_path, "autotune", args))
+    trials = [line for line in run.log.splitlines() if "autotune trial" in line]
+    assert len(trials) == 3, run.log[-3000:]
+    assert "message_size" in trials[0]
+    assert all(in_sync(ranks).values()), in_sync(ranks)  # every rank applied the same bucket sizes

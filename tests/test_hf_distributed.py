@@ -31,6 +31,7 @@ CASES = [
     "trainer-ddp@sgd",
     "trainer-decentralized@sgd",
     "trainer-bmuf",
+    "trainer-decentralized+autotune",
     "trainer-ddp@ga",
     "trainer-gradient_allreduce@ga",
     "accelerate-ddp",
@@ -142,3 +143,10 @@ def test_mismatched_algorithms_fail_by_name_not_hang(results):
     got = results["mismatch"]
     assert got.get("error") == "ModelMismatchError", got
     assert "bytegrad" in got["message"] and "gradient_allreduce" in got["message"]
+
+
+def test_trainer_autotunes_decentralized_interval_and_ranks_agree(results):
+    pytest.importorskip("optuna")
+    got = case_result(results, "trainer-decentralized+autotune")
+    assert got["autotune_trials"] == 3 and got["autotune_done"]
+    assert len(set(got["intervals"])) == 1, got["intervals"]  # every rank applied the same setting

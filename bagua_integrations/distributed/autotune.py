@@ -71,7 +71,8 @@ class Autotuner:
     """
 
     def __init__(self, target, *, max_trials: int = 20, message_sizes: Sequence[int] = DEFAULT_MESSAGE_SIZES,
-                 intervals: Sequence[int] = DEFAULT_INTERVALS, seed: int = 0):
+                 intervals: Sequence[int] = DEFAULT_INTERVALS, seed: int = 0,
+                 settings: Sequence[str] = ("message_size", "communication_interval")):
         if max_trials < 1:
             raise AlgorithmConfigError(f"max_trials must be >= 1, got {max_trials}")
         self.target = target
@@ -80,12 +81,15 @@ class Autotuner:
         self.max_trials = int(max_trials)
         self.space: Dict[str, List[int]] = {}
         algorithm = target.algorithm
-        if algorithm.kind == "gradient":
+        if algorithm.kind == "gradient" and "message_size" in settings:
             self.space["message_size"] = sorted({int(m) for m in message_sizes})
-        if hasattr(algorithm, "communication_interval"):
+        if hasattr(algorithm, "communication_interval") and "communication_interval" in settings:
             self.space["communication_interval"] = sorted({int(i) for i in intervals})
         if not self.space:
-            raise AlgorithmConfigError(f"{algorithm.name} has no communication setting to tune")
+            raise AlgorithmConfigError(
+                f"{algorithm.name} has no communication setting to tune here (tunable: {', '.join(settings) or 'none'})")
+        for key, values in self.space.items():  # the default is trial 0, so it must be a choice
+            self.space[key] = sorted(set(values) | {int(target.communication_setting(key))})
         self.keys = sorted(self.space)
         self.history: List[Dict[str, Any]] = []  # {"trial", "settings", "score"} per finished trial
         self.scores: List[float] = []

@@ -85,6 +85,8 @@ class AlgorithmSession:
             algorithm.timeout = self.timeout
         self.num_updates = 0
         self._handles: list = []
+        self.autotuner = None
+        self.autotune_stepper = None
         self.params = self._select_params(params, model)
         if check_consistency:
             self._check_consistency(model, extra_description)
@@ -138,9 +140,10 @@ class AlgorithmSession:
         a framework's global step, so a resumed run continues the count); default: one more.
         """
         self.num_updates = self.num_updates + 1 if step is None else int(step)
-        if not self.acts_after_step:
-            return False
-        return bool(self.algorithm.after_step(step=self.num_updates))
+        acted = bool(self.algorithm.after_step(step=self.num_updates)) if self.acts_after_step else False
+        if self.autotune_stepper is not None:
+            self.autotune_stepper.after_step()
+        return acted
 
     def install_step_hook(self, optimizer: torch.optim.Optimizer):
         """Run :meth:`after_update` after every ``optimizer.step()`` (plain or fused); returns the handle.
@@ -172,6 +175,36 @@ class AlgorithmSession:
         mean = norm.detach().to(torch.float64).reshape(1).clone()
         comm.run(comm.average(mean, self.group), f"{self.name} gradient norm averaging", self.timeout)
         return mean.to(norm.dtype).reshape(norm.shape)
+
+    # ------------------------------------------------------------------ autotuning (frameworks without BaguaModule)
+    @property
+    def process_group(self):
+        return self.group
+
+    def communication_setting(self, key: str):
+        """A tunable setting: the bucket size of :meth:`allreduce_gradients` or the algorithm's ``communication_interval``."""
+        if key in ("message_size", "communication_interval") and hasattr(self.algorithm, key):
+            return getattr(self.algorithm, key)
+        raise AlgorithmConfigError(f"{key!r} is not a communication setting of {self.name}")
+
+    def apply_communication_settings(self, **settings) -> None:
+        """Set tunable settings (between updates, on every rank alike: the autotuner broadcasts them)."""
+        for key, value in settings.items():
+            if value is None:
+                continue
+            if int(value) < 1:
+                raise AlgorithmConfigError(f"{key}={value} must be >= 1")
+            self.communication_setting(key)  # refuses unknown keys
+            setattr(self.algorithm, key, int(value))
+
+    def enable_autotune(self, max_trials: int = 20, interval: Optional[int] = None, **search):
+        """Bagua's autotuner over this session's settings (see :meth:`BaguaModule.enable_autotune`);
+        ``interval``: tune every that many :meth:`after_update` calls from measured updates/s."""
+        from .autotune import Autotuner, AutotuneStepper
+
+        self.autotuner = Autotuner(self, max_trials=max_trials, **search)
+        self.autotune_stepper = AutotuneStepper(self.autotuner, interval) if interval is not None else None
+        return self.autotuner
 
     # ------------------------------------------------------------------ checkpoints
     @property
