@@ -134,3 +134,47 @@ def test_autotune_refuses_what_it_cannot_tune_by_name():
     with pytest.raises(AlgorithmConfigError, match="enable_autotune"):
         wrapped.report_metrics([1.0])
     wrapped.close()
+
+
+def _hierarchy(rank, world):
+    from bagua_integrations import bagua_init
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped, _ = bagua_init(model, optimizer, "gradient_allreduce", hierarchical_reduce=False)
+    tuner = wrapped.enable_autotune(max_trials=4, message_sizes=[wrapped.message_size], seed=0)
+    space = dict(tuner.space)
+    seen = []
+    for step in range(6):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(wrapped(x), y).backward()
+        optimizer.step()
+        # by construction the hierarchical reduction "wins"
+        wrapped.report_metrics([2.0 if wrapped.algorithm.hierarchical else 1.0])
+        wrapped.ask_and_update_hyperparameters()
+        seen.append(wrapped.algorithm.hierarchical)
+    report = wrapped.autotune_report()
+    wrapped.close()
+    reference = _model()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.01)
+    for step in range(6):
+        x, y = _batch(rank, step)
+        plain.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        for p in reference.parameters():
+            p.grad /= world
+            torch.distributed.all_reduce(p.grad)
+        plain.step()
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(model.parameters(), reference.parameters()))
+    return space, seen, report["done"], close
+
+
+def test_hierarchical_reduce_is_tuned_across_nodes():
+    """4 ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE=2): the flat/hierarchical choice is searched too."""
+    results = values(run_ranks(_hierarchy, 4, timeout=240, env={"LOCAL_WORLD_SIZE": "2"}))
+    space, seen, done, close = results[0]
+    assert space["hierarchical"] == [0, 1]
+    assert all(r[1] == seen for r in results), "ranks disagreed"
+    assert done and seen[-1] is True
+    assert all(r[3] for r in results), "the averages changed while switching hierarchy"

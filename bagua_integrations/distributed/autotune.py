@@ -6,7 +6,8 @@ told to the study on the group's first rank, which asks for the next setting and
 every rank applies the same setting before the next step (buckets are rebuilt there, never
 during a backward). After ``max_trials`` trials the best setting stays. Searched:
 
-* gradient algorithms: ``message_size`` (the bucket size) over powers of two;
+* gradient algorithms: ``message_size`` (the bucket size) over powers of two, and, when the ranks
+  span several nodes of several ranks each, ``hierarchical`` (reduce inside each node first);
 * ``decentralized``: its ``communication_interval``.
 
 Optuna is an optional dependency (``pip install bagua-integrations[autotune]``); it runs on the
@@ -72,7 +73,7 @@ class Autotuner:
 
     def __init__(self, target, *, max_trials: int = 20, message_sizes: Sequence[int] = DEFAULT_MESSAGE_SIZES,
                  intervals: Sequence[int] = DEFAULT_INTERVALS, seed: int = 0,
-                 settings: Sequence[str] = ("message_size", "communication_interval")):
+                 settings: Sequence[str] = ("message_size", "communication_interval", "hierarchical")):
         if max_trials < 1:
             raise AlgorithmConfigError(f"max_trials must be >= 1, got {max_trials}")
         self.target = target
@@ -85,6 +86,9 @@ class Autotuner:
             self.space["message_size"] = sorted({int(m) for m in message_sizes})
         if hasattr(algorithm, "communication_interval") and "communication_interval" in settings:
             self.space["communication_interval"] = sorted({int(i) for i in intervals})
+        if (algorithm.kind == "gradient" and "hierarchical" in settings and comm.is_distributed(self.group)
+                and comm.NodeGroups.of(self.group, timeout=self.timeout).active):
+            self.space["hierarchical"] = [0, 1]  # only across nodes (LOCAL_WORLD_SIZE ranks each) does it differ
         if not self.space:
             raise AlgorithmConfigError(
                 f"{algorithm.name} has no communication setting to tune here (tunable: {', '.join(settings) or 'none'})")

@@ -184,27 +184,37 @@ class BaguaModule(torch.nn.Module, Joinable):
 
     # ------------------------------------------------------------------ autotuning (Bagua's API)
     def communication_setting(self, key: str):
-        """The value of a tunable setting: ``message_size`` or the algorithm's ``communication_interval``."""
+        """The value of a tunable setting: ``message_size``, ``hierarchical`` or the algorithm's ``communication_interval``."""
         if key == "message_size":
             return self.message_size
         if key == "communication_interval" and hasattr(self.algorithm, key):
             return self.algorithm.communication_interval
+        if key == "hierarchical":
+            return int(self.algorithm.hierarchical)
         raise AlgorithmConfigError(f"{key!r} is not a communication setting of {self.algorithm.name}")
 
     def apply_communication_settings(self, message_size: Optional[int] = None,
-                                     communication_interval: Optional[int] = None) -> None:
+                                     communication_interval: Optional[int] = None,
+                                     hierarchical: Optional[int] = None) -> None:
         """Change settings between two steps, on every rank alike (the autotuner broadcasts them).
 
-        ``message_size`` rebuilds the gradient buckets (never during a backward).
+        ``message_size`` and ``hierarchical`` rebuild the gradient buckets (never during a backward).
         """
+        rebuild = False
         if communication_interval is not None:
             if int(communication_interval) < 1 or not hasattr(self.algorithm, "communication_interval"):
                 raise AlgorithmConfigError(f"communication_interval={communication_interval} does not apply here")
             self.algorithm.communication_interval = int(communication_interval)
+        if hierarchical is not None and bool(hierarchical) != self.algorithm.hierarchical:
+            self.algorithm.hierarchical = bool(hierarchical)
+            self.algorithm.validate_hierarchy()
+            rebuild = True
         if message_size is not None and int(message_size) != self.message_size:
             self.message_size = int(message_size)
             if hasattr(self.algorithm, "message_size"):
                 self.algorithm.message_size = self.message_size
+            rebuild = True
+        if rebuild:
             if self.reducer is not None:
                 self.reducer.check_not_interrupted()
                 self.reducer.detach()

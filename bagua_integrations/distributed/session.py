@@ -185,6 +185,8 @@ class AlgorithmSession:
         """A tunable setting: the bucket size of :meth:`allreduce_gradients` or the algorithm's ``communication_interval``."""
         if key in ("message_size", "communication_interval") and hasattr(self.algorithm, key):
             return getattr(self.algorithm, key)
+        if key == "hierarchical":
+            return int(self.algorithm.hierarchical)
         raise AlgorithmConfigError(f"{key!r} is not a communication setting of {self.name}")
 
     def apply_communication_settings(self, **settings) -> None:
@@ -192,9 +194,13 @@ class AlgorithmSession:
         for key, value in settings.items():
             if value is None:
                 continue
+            self.communication_setting(key)  # refuses unknown keys
+            if key == "hierarchical":
+                self.algorithm.hierarchical = bool(value)
+                self.algorithm.validate_hierarchy()
+                continue
             if int(value) < 1:
                 raise AlgorithmConfigError(f"{key}={value} must be >= 1")
-            self.communication_setting(key)  # refuses unknown keys
             setattr(self.algorithm, key, int(value))
 
     def enable_autotune(self, max_trials: int = 20, interval: Optional[int] = None, **search):
