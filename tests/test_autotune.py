@@ -34,6 +34,21 @@ def _batch(rank, step):
     return torch.randn(4, 128, generator=g), torch.randn(4, 128, generator=g)
 
 
+def _plain_torch_distributed(rank, world, steps):
+    """The reference: the same training in plain torch.distributed (gradients divided, then all-reduced)."""
+    reference = _model()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.01)
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        plain.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        for p in reference.parameters():
+            p.grad /= world
+            torch.distributed.all_reduce(p.grad)
+        plain.step()
+    return reference
+
+
 def _with_latency():
     from bagua_integrations.distributed import comm
 
@@ -68,16 +83,7 @@ def _tune(rank, world):
     report = wrapped.autotune_report()
     wrapped.close()
 
-    reference = _model()
-    plain = torch.optim.SGD(reference.parameters(), lr=0.01)
-    for s in range(step):
-        x, y = _batch(rank, s)
-        plain.zero_grad()
-        torch.nn.functional.mse_loss(reference(x), y).backward()
-        for p in reference.parameters():
-            p.grad /= world
-            torch.distributed.all_reduce(p.grad)
-        plain.step()
+    reference = _plain_torch_distributed(rank, world, step)
     exact = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
     return {"settings": settings, "report": report, "exact": exact, "steps": step}
 
@@ -156,16 +162,7 @@ def _hierarchy(rank, world):
         seen.append(wrapped.algorithm.hierarchical)
     report = wrapped.autotune_report()
     wrapped.close()
-    reference = _model()
-    plain = torch.optim.SGD(reference.parameters(), lr=0.01)
-    for step in range(6):
-        x, y = _batch(rank, step)
-        plain.zero_grad()
-        torch.nn.functional.mse_loss(reference(x), y).backward()
-        for p in reference.parameters():
-            p.grad /= world
-            torch.distributed.all_reduce(p.grad)
-        plain.step()
+    reference = _plain_torch_distributed(rank, world, 6)
     close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(model.parameters(), reference.parameters()))
     return space, seen, report["done"], close
 
