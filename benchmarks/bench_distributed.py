@@ -177,6 +177,7 @@ def worker(rank, world, port, args, out_path):
         ("bytegrad", dict(algorithm="bytegrad")),
         ("decentralized all", dict(algorithm="decentralized", peer_selection_mode="all")),
         ("decentralized shift_one", dict(algorithm="decentralized", peer_selection_mode="shift_one")),
+        ("low_precision_decentralized", dict(algorithm="low_precision_decentralized")),
         ("bmuf (global_sync_iter=1)", dict(algorithm="bmuf", warmup_iterations=0, global_sync_iter=1)),
         ("bmuf (global_sync_iter=10)", dict(algorithm="bmuf", warmup_iterations=0, global_sync_iter=10)),
     ]

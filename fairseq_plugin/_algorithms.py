@@ -29,7 +29,7 @@ from bagua_integrations.distributed.algorithms.registry import algorithm_paramet
 logger = logging.getLogger(__name__)
 
 # The built-in names (the parser and the help text list whatever the core registers).
-ALGORITHMS = ("gradient_allreduce", "bytegrad", "decentralized", "bmuf")
+ALGORITHMS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "bmuf")
 # ddp backends whose wrapper leaves gradient communication to FairseqOptimizer.all_reduce_grads
 MANUAL_DDP_BACKENDS = ("legacy_ddp", "no_c10d")
 

@@ -27,10 +27,12 @@ ALGORITHMS = {
     "bmuf": ("bmuf", {"block_momentum": 0.875, "global_sync_iter": 3, "warmup_iterations": 2}),
     # checkpoint taken before warmup ends: the recorded initial optimizer state must survive
     "bmuf_in_warmup": ("bmuf", {"block_momentum": 0.5, "global_sync_iter": 2, "warmup_iterations": 6}),
+    # per-rank public copies of its own and its neighbours' weights
+    "low_precision_decentralized": ("low_precision_decentralized", {"communication_interval": 2}),
 }
 # resuming without the algorithm state goes wrong for these (counters, global model, rank 0's weights)
 # (shift_one on 2 ranks always pairs the two, whose averages are equal, so no round or weight is lost)
-DIVERGE_WITHOUT_STATE = ("decentralized_all", "bmuf", "bmuf_in_warmup")
+DIVERGE_WITHOUT_STATE = ("decentralized_all", "bmuf", "bmuf_in_warmup", "low_precision_decentralized")
 
 
 def _model(seed):

@@ -193,3 +193,13 @@ def test_bagua_autotune_tunes_the_bucket_size_and_ranks_stay_identical(corpus, t
     assert len(trials) == 3, run.log[-3000:]
     assert "message_size" in trials[0]
     assert all(in_sync(ranks).values()), in_sync(ranks)  # every rank applied the same bucket sizes
+
+
+def test_low_precision_decentralized_runs_through_the_registry(corpus, tmp_path):
+    """No fairseq code names it: --bagua-algorithm takes any registered algorithm with its options."""
+    args = bagua("--bagua-algorithm", "low_precision_decentralized", "--bagua-communication-interval", "2")
+    run, ranks = finish(*launch(corpus, tmp_path, "lpd", args))
+    assert "algorithm low_precision_decentralized" in run.log
+    assert all(loss == loss for loss in run.losses().values())
+    # quantized differences: the ranks come close at every averaging but are never bit-identical
+    assert not any(in_sync(ranks).values())

@@ -198,6 +198,15 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group=None):
     return _launched(_AllOf(dist.batch_isend_irecv(ops)), group, send)
 
 
+def ring_exchange(send: torch.Tensor, from_left: torch.Tensor, from_right: torch.Tensor, left: int, right: int,
+                  group=None):
+    """Send ``send`` to global ranks ``left`` and ``right``; receive theirs into ``from_left`` / ``from_right``."""
+    collective_log.record("ring_exchange", send)
+    ops = [dist.P2POp(dist.isend, send, left, group), dist.P2POp(dist.isend, send, right, group),
+           dist.P2POp(dist.irecv, from_left, left, group), dist.P2POp(dist.irecv, from_right, right, group)]
+    return _launched(_AllOf(dist.batch_isend_irecv(ops)), group, send)
+
+
 class _AllOf:
     """Several work handles waited on as one."""
 

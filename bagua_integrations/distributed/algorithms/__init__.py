@@ -6,6 +6,7 @@ from .gradient_allreduce import GradientAllReduce
 from .bytegrad import ByteGrad, MinMaxUInt8
 from .decentralized import Decentralized, shift_one_peer
 from .bmuf import BMUF
+from .low_precision_decentralized import LowPrecisionDecentralized
 
 __all__ = [
     "Algorithm",
@@ -22,4 +23,5 @@ __all__ = [
     "Decentralized",
     "shift_one_peer",
     "BMUF",
+    "LowPrecisionDecentralized",
 ]

@@ -354,6 +354,19 @@ class ModelAlgorithm(Algorithm):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ helpers for subclasses
+    def _per_tensor(self, flats: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Views of ``flats`` (one per pack, laid out like ``self.pack.gather()``) shaped like each
+        parameter: what checkpoints hold, so that they do not depend on the flat layout."""
+        out = []
+        for pack, flat in zip(self.pack, flats):
+            base = None if pack.copied else pack.flat.storage_offset()
+            offset = 0
+            for t in pack.tensors:
+                start = offset if base is None else t.storage_offset() - base
+                out.append(flat[start : start + t.numel()].view(t.shape))
+                offset += t.numel()
+        return out
+
     def run(self, stages_per_flat: List[comm.Stages], what: str) -> None:
         """Launch one staged communication per flat tensor, then wait for them in order."""
         pendings = [comm.Pending(stages, f"{self.name} {what} {i + 1}/{len(stages_per_flat)}", self.timeout)

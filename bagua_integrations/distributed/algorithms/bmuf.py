@@ -173,18 +173,6 @@ class BMUF(ModelAlgorithm):
         if self.pack is not None and not self.restored:
             self._reset_block()
 
-    def _per_tensor(self, flats: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Views of ``flats`` (one per pack, as :meth:`_reset_block` made them) shaped like each parameter."""
-        out = []
-        for pack, flat in zip(self.pack, flats):
-            base = None if pack.copied else pack.flat.storage_offset()
-            offset = 0
-            for t in pack.tensors:
-                start = offset if base is None else t.storage_offset() - base
-                out.append(flat[start : start + t.numel()].view(t.shape))
-                offset += t.numel()
-        return out
-
     @torch.no_grad()
     def _reset_block(self) -> None:
         flats = self.pack.gather()

@@ -28,6 +28,7 @@ class DistributedAlgorithm(str, enum.Enum):
     GradientAllReduce = "gradient_allreduce"
     ByteGrad = "bytegrad"
     Decentralize = "decentralized"
+    LowPrecisionDecentralize = "low_precision_decentralized"
     BMUF = "bmuf"
 
 

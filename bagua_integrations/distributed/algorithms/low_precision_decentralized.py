@@ -1,0 +1,136 @@
+"""``low_precision_decentralized``: ring model averaging that sends uint8-quantized weight differences.
+
+Bagua's low-precision decentralized algorithm, in the form of Tang et al. 2018 ("Communication
+Compression for Decentralized Training", DCD-PSGD). The ranks form a ring. Each rank keeps three
+*public copies*: its own ``x̂`` (what its neighbours believe its weights are) and those of its left
+and right neighbours. After every ``communication_interval`` optimizer steps each rank
+
+1. mixes its weights with its neighbours' public copies: ``m = (x + x̂_left + x̂_right) / 3``;
+2. quantizes the difference to its own public copy, ``q = Q(m - x̂)`` (min-max uint8 per chunk of
+   :data:`CHUNK` elements, as ``bytegrad``), sends ``q`` to both neighbours and receives theirs;
+3. applies every difference to the matching public copy (``x̂ += Q⁻¹(q)``, the same on the sender
+   and its two receivers, so public copies agree bit for bit across ranks) and sets ``x = m``.
+
+On the wire: one byte per element plus 8 bytes per chunk, to each of two neighbours, instead of 4
+bytes per element. The public copies are per-rank state: checkpoints carry them.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .. import comm
+from ..errors import AlgorithmConfigError, CheckpointError
+from .base import ModelAlgorithm
+from .bytegrad import MinMaxUInt8
+from .registry import register_algorithm
+
+__all__ = ["LowPrecisionDecentralized", "CHUNK"]
+
+CHUNK = 1024  # elements quantized with one min/max pair
+
+
+def ring_neighbours(rank: int, size: int):
+    """(left, right) of ``rank`` in a ring of ``size`` (the same rank twice when ``size == 2``)."""
+    return (rank - 1) % size, (rank + 1) % size
+
+
+@register_algorithm("low_precision_decentralized")
+class LowPrecisionDecentralized(ModelAlgorithm):
+    """Ring averaging with uint8-quantized differences (see the module docstring).
+
+    Args:
+        communication_interval: communicate after every this many optimizer steps.
+        hierarchical: not supported (the ring runs over all ranks); ``None``/``False`` only.
+        timeout: how long to wait for a neighbour before raising ``CommunicationError``.
+    """
+
+    name = "low_precision_decentralized"
+
+    def __init__(self, communication_interval: int = 1, hierarchical: Optional[bool] = None, timeout=None):
+        super().__init__(hierarchical, timeout)
+        if not isinstance(communication_interval, int) or communication_interval < 1:
+            raise AlgorithmConfigError(f"communication_interval must be an integer >= 1, got {communication_interval!r}")
+        self.communication_interval = communication_interval
+        self.codec = MinMaxUInt8()
+        self.public: List[List[torch.Tensor]] = []  # per flat: [own, left, right]
+
+    def hyperparameters(self):
+        return dict(super().hyperparameters(), communication_interval=self.communication_interval)
+
+    def validate_hierarchy(self) -> None:
+        if self.hierarchical:
+            raise AlgorithmConfigError(
+                "low_precision_decentralized runs one ring over all ranks; pass hierarchical_reduce=False (or None)")
+
+    def on_attach(self) -> None:
+        # bagua_init broadcasts rank 0's weights before attach: every public copy starts equal everywhere
+        self.public = [[flat.clone() for _ in range(3)] for flat in self.pack.gather()]
+
+    def weights_loaded(self) -> None:
+        if self.pack is not None and not self.restored:
+            self.on_attach()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self):
+        """The update counter and the three public copies (own, left, right), per parameter."""
+        state = super().state_dict()
+        for index, key in enumerate(("public_own", "public_left", "public_right")):
+            state[key] = [t.clone() for t in self._per_tensor([copies[index] for copies in self.public])]
+        return state
+
+    @torch.no_grad()
+    def restore(self, state) -> None:
+        super().restore(state)
+        for index, key in enumerate(("public_own", "public_left", "public_right")):
+            saved = state.get(key)
+            if saved is None:
+                continue
+            tensors = self._per_tensor([copies[index] for copies in self.public])
+            if len(saved) != len(tensors) or any(a.shape != b.shape for a, b in zip(saved, tensors)):
+                raise CheckpointError(
+                    f"{self.name}'s checkpointed {key} do not match the attached parameters: resume with the "
+                    "model the checkpoint was saved from")
+            for mine, theirs in zip(tensors, saved):
+                mine.copy_(theirs)
+
+    # ------------------------------------------------------------------ one round
+    def _encode(self, diff: torch.Tensor) -> torch.Tensor:
+        rows = -(-diff.numel() // CHUNK)
+        padded = torch.zeros(rows * CHUNK, dtype=torch.float32, device=diff.device)
+        padded[: diff.numel()] = diff
+        return self.codec.encode(padded.view(rows, CHUNK))
+
+    def _decode(self, packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return self.codec.decode(packed).reshape(-1)[: like.numel()].to(like.dtype)
+
+    def _round(self, flat: torch.Tensor, copies: List[torch.Tensor], group):
+        own, left_copy, right_copy = copies
+        mixed = torch.add(flat, left_copy).add_(right_copy).div_(3)
+        mine = self._encode(mixed - own)
+        size, me = comm.world_size(group), comm.group_ranks(group).index(comm.rank())
+        left, right = ring_neighbours(me, size)
+        ranks = comm.group_ranks(group)
+        from_left = torch.empty_like(mine)
+        if size == 2:  # the one neighbour is both
+            yield comm.exchange(mine, from_left, ranks[left], group)
+            from_right = from_left
+        else:
+            from_right = torch.empty_like(mine)
+            yield comm.ring_exchange(mine, from_left, from_right, ranks[left], ranks[right], group)
+        own.add_(self._decode(mine, own))
+        left_copy.add_(self._decode(from_left, left_copy))
+        right_copy.add_(self._decode(from_right, right_copy))
+        flat.copy_(mixed)
+
+    def update(self, step: int, group) -> bool:
+        if not comm.is_distributed(group) or step % self.communication_interval:
+            return False
+        flats = self.pack.gather()
+        with torch.no_grad():
+            self.run([self._round(flat, copies, group) for flat, copies in zip(flats, self.public)],
+                     "low-precision ring averaging")
+        self.pack.scatter()
+        return True
