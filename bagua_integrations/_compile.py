@@ -23,6 +23,7 @@ import time
 import types
 import warnings
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -99,20 +99,17 @@ def _resumed(rank, world, folder, keys, order):
             wrapped.module.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])
             wrapped.load_algorithm_state_dict(checkpoint["algorithm"])
-        elif order == "framework":  # rank 0's weights and optimizer everywhere, then each rank's own file
+        elif order in ("framework", "gathered"):  # rank 0's weights and optimizer everywhere, then this rank's own
             shared = torch.load(os.path.join(folder, f"{key}.rank0.pt"), weights_only=False)
             wrapped, _ = init()
             wrapped.module.load_state_dict(shared["model"])
             optimizer.load_state_dict(shared["optimizer"])
-            own = torch.load(os.path.join(folder, f"{key}.own{rank}.pt"), weights_only=False)
-            wrapped.session.load_rank_state_dict(own, wrapped.module)
-        elif order == "gathered":  # rank 0's weights and optimizer everywhere, then this rank's gathered entry
-            shared = torch.load(os.path.join(folder, f"{key}.rank0.pt"), weights_only=False)
-            wrapped, _ = init()
-            wrapped.module.load_state_dict(shared["model"])
-            optimizer.load_state_dict(shared["optimizer"])
-            everyone = torch.load(os.path.join(folder, f"{key}.everyone.pt"), weights_only=False)
-            wrapped.session.load_rank_state_dict(everyone[rank], params=list(model.parameters()))
+            if order == "framework":  # its own file (HF / Accelerate)
+                own = torch.load(os.path.join(folder, f"{key}.own{rank}.pt"), weights_only=False)
+                wrapped.session.load_rank_state_dict(own, wrapped.module)
+            else:  # its entry of rank 0's file (fairseq)
+                everyone = torch.load(os.path.join(folder, f"{key}.everyone.pt"), weights_only=False)
+                wrapped.session.load_rank_state_dict(everyone[rank], params=list(model.parameters()))
         elif order == "without_algorithm_state":  # the old way: weights and optimizer only
             model.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])

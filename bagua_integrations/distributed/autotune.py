@@ -20,19 +20,47 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 
 from . import comm
 from .errors import AlgorithmConfigError
 
-__all__ = ["Autotuner", "AutotuneStepper", "DEFAULT_MESSAGE_SIZES"]
+__all__ = ["Autotuner", "AutotuneStepper", "DEFAULT_MESSAGE_SIZES", "algorithm_setting", "set_algorithm_settings"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MESSAGE_SIZES = tuple(2**k for k in range(16, 27))  # 64 KiB .. 64 MiB
 DEFAULT_INTERVALS = (1, 2, 4)
+
+
+def algorithm_setting(algorithm, key: str) -> int:
+    """A tunable setting the algorithm holds: ``message_size``, ``communication_interval`` or ``hierarchical`` (0/1)."""
+    if key == "hierarchical":
+        return int(algorithm.hierarchical)
+    if key in ("message_size", "communication_interval") and hasattr(algorithm, key):
+        return int(getattr(algorithm, key))
+    raise AlgorithmConfigError(f"{key!r} is not a communication setting of {algorithm.name}")
+
+
+def set_algorithm_settings(algorithm, **settings) -> bool:
+    """Apply ``settings`` (None: unchanged) to ``algorithm``, between steps and on every rank alike;
+    returns whether the reduction's layout (bucket size or hierarchy) changed."""
+    layout_changed = False
+    for key, value in settings.items():
+        if value is None or int(value) == algorithm_setting(algorithm, key):  # (refuses unknown keys)
+            continue
+        if key == "hierarchical":
+            algorithm.hierarchical = bool(value)
+            algorithm.validate_hierarchy()
+            layout_changed = True
+            continue
+        if int(value) < 1:
+            raise AlgorithmConfigError(f"{key}={value} must be >= 1")
+        setattr(algorithm, key, int(value))
+        layout_changed = layout_changed or key == "message_size"
+    return layout_changed
 
 
 def _optuna_or_error(group):

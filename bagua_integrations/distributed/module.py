@@ -12,6 +12,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from . import comm
 from .algorithms import Algorithm, accepted_kwargs, get_algorithm
+from .autotune import algorithm_setting, set_algorithm_settings
 from .errors import AlgorithmConfigError, DistributedError, JoinError
 from .join import FORWARD, STEP, BaguaJoinHook, exchange_header, last_joiner
 from .reducer import Reducer
@@ -117,16 +118,7 @@ class BaguaModule(torch.nn.Module, Joinable):
         if not self.distributed:
             return  # one process: the model runs plainly
         if algorithm.kind == "gradient":
-            self.reducer = Reducer(
-                module.parameters(),
-                algorithm,
-                optimizers=self.optimizers,
-                message_size=message_size,
-                delay_reduce=delay_reduce,
-                group=process_group,
-                find_unused_parameters=find_unused_parameters,
-                timeout=self.timeout,
-            )
+            self.reducer = self._make_reducer()
         if (algorithm_state is not None or getattr(algorithm, "has_pending_state", False)) and algorithm.replicas_differ:
             # A resume under an algorithm whose replicas legitimately differ: every rank loaded its
             # own weights, and rank 0's must not overwrite them. (At a fresh start they are broadcast.)
@@ -154,6 +146,12 @@ class BaguaModule(torch.nn.Module, Joinable):
         # weights loaded after bagua_init (wrapped.module.load_state_dict, the DDP order): e.g. BMUF's
         # global model follows them unless its own state is restored too
         self._handles.append(module.register_load_state_dict_post_hook(lambda *_: self.algorithm.weights_loaded()))
+
+    def _make_reducer(self) -> Reducer:
+        """The gradient buckets over the module's parameters, with the current bucket size."""
+        return Reducer(self.module.parameters(), self.algorithm, optimizers=self.optimizers,
+                       message_size=self.message_size, group=self.process_group, timeout=self.timeout,
+                       **self._reducer_options)
 
     # ------------------------------------------------------------------ checkpoints
     def algorithm_state_dict(self) -> dict:
@@ -187,11 +185,7 @@ class BaguaModule(torch.nn.Module, Joinable):
         """The value of a tunable setting: ``message_size``, ``hierarchical`` or the algorithm's ``communication_interval``."""
         if key == "message_size":
             return self.message_size
-        if key == "communication_interval" and hasattr(self.algorithm, key):
-            return self.algorithm.communication_interval
-        if key == "hierarchical":
-            return int(self.algorithm.hierarchical)
-        raise AlgorithmConfigError(f"{key!r} is not a communication setting of {self.algorithm.name}")
+        return algorithm_setting(self.algorithm, key)
 
     def apply_communication_settings(self, message_size: Optional[int] = None,
                                      communication_interval: Optional[int] = None,
@@ -200,29 +194,19 @@ class BaguaModule(torch.nn.Module, Joinable):
 
         ``message_size`` and ``hierarchical`` rebuild the gradient buckets (never during a backward).
         """
-        rebuild = False
-        if communication_interval is not None:
-            if int(communication_interval) < 1 or not hasattr(self.algorithm, "communication_interval"):
-                raise AlgorithmConfigError(f"communication_interval={communication_interval} does not apply here")
-            self.algorithm.communication_interval = int(communication_interval)
-        if hierarchical is not None and bool(hierarchical) != self.algorithm.hierarchical:
-            self.algorithm.hierarchical = bool(hierarchical)
-            self.algorithm.validate_hierarchy()
-            rebuild = True
+        rebuild = set_algorithm_settings(self.algorithm, communication_interval=communication_interval,
+                                         hierarchical=hierarchical)
         if message_size is not None and int(message_size) != self.message_size:
             self.message_size = int(message_size)
             if hasattr(self.algorithm, "message_size"):
                 self.algorithm.message_size = self.message_size
             rebuild = True
-        if rebuild:
-            if self.reducer is not None:
-                self.reducer.check_not_interrupted()
-                self.reducer.detach()
-                self.reducer = Reducer(self.module.parameters(), self.algorithm, optimizers=self.optimizers,
-                                       message_size=self.message_size, group=self.process_group,
-                                       timeout=self.timeout, **self._reducer_options)
+        if rebuild and self.reducer is not None:
+            self.reducer.check_not_interrupted()
+            self.reducer.detach()
+            self.reducer = self._make_reducer()
 
-    def enable_autotune(self, max_trials: int = 20, interval: Optional[int] = None, **search) -> "Autotuner":
+    def enable_autotune(self, max_trials: int = 20, interval: Optional[int] = None, **search):
         """Start Bagua's autotuner (a collective: every rank, at the same point, between steps).
 
         ``interval``: also measure steps/s and tune by itself every ``interval`` optimizer steps

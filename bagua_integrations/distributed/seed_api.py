@@ -128,7 +128,6 @@ class BucketType(enum.Enum):
     Param = "param"
 
 
-_ALIGN_BYTES = ALIGN_BYTES  # where each parameter starts in this package's flat buffers, in bytes
 
 
 class OverlappingWrapper(torch.nn.Module):
@@ -163,9 +162,9 @@ class OverlappingWrapper(torch.nn.Module):
                 "OverlappingWrapper(chunking=True) is the per-rank chunking of all-to-all algorithms: use "
                 "with_bagua(model, optimizers, 'bytegrad'), whose buckets are chunked per rank"
             )
-        if not isinstance(align_bytes, int) or align_bytes <= 0 or _ALIGN_BYTES % align_bytes:
+        if not isinstance(align_bytes, int) or align_bytes <= 0 or ALIGN_BYTES % align_bytes:
             raise AlgorithmConfigError(
-                f"align_bytes={align_bytes!r}: buckets here are aligned to {_ALIGN_BYTES} bytes; use a divisor of it"
+                f"align_bytes={align_bytes!r}: buckets here are aligned to {ALIGN_BYTES} bytes; use a divisor of it"
             )
         if not isinstance(fusion, bool):
             raise TypeError(f"fusion must be True or False, got {fusion!r}")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..fused_optimizer import is_fused_optimizer
 from . import comm
 from .algorithms import Algorithm
+from .autotune import algorithm_setting, set_algorithm_settings
 from .errors import AlgorithmConfigError, CheckpointError
 from .sync import check_same_on_all_ranks, describe_model, describe_parameters, gather_states
 
@@ -182,26 +183,13 @@ class AlgorithmSession:
         return self.group
 
     def communication_setting(self, key: str):
-        """A tunable setting: the bucket size of :meth:`allreduce_gradients` or the algorithm's ``communication_interval``."""
-        if key in ("message_size", "communication_interval") and hasattr(self.algorithm, key):
-            return getattr(self.algorithm, key)
-        if key == "hierarchical":
-            return int(self.algorithm.hierarchical)
-        raise AlgorithmConfigError(f"{key!r} is not a communication setting of {self.name}")
+        """A tunable setting: the bucket size of :meth:`allreduce_gradients`, ``hierarchical`` or the
+        algorithm's ``communication_interval``."""
+        return algorithm_setting(self.algorithm, key)
 
     def apply_communication_settings(self, **settings) -> None:
         """Set tunable settings (between updates, on every rank alike: the autotuner broadcasts them)."""
-        for key, value in settings.items():
-            if value is None:
-                continue
-            self.communication_setting(key)  # refuses unknown keys
-            if key == "hierarchical":
-                self.algorithm.hierarchical = bool(value)
-                self.algorithm.validate_hierarchy()
-                continue
-            if int(value) < 1:
-                raise AlgorithmConfigError(f"{key}={value} must be >= 1")
-            setattr(self.algorithm, key, int(value))
+        set_algorithm_settings(self.algorithm, **settings)
 
     def enable_autotune(self, max_trials: int = 20, interval: Optional[int] = None, **search):
         """Bagua's autotuner over this session's settings (see :meth:`BaguaModule.enable_autotune`);

@@ -140,20 +140,11 @@ def check_same_on_all_ranks(lines: List[str], what: str, *, group=None, timeout=
     """
     if not comm.is_distributed(group):
         return
-    size = comm.world_size(group)
-    device = comm.small_tensor_device(group)
-    mine = torch.tensor([_digest(lines)], dtype=torch.int64, device=device)
-    gathered = torch.empty(size, dtype=torch.int64, device=device)
-
-    def stages():
-        yield comm.all_gather(gathered, mine, group)
-
-    comm.run(stages(), f"{what} consistency check", timeout)
-    digests = gathered.tolist()
+    digests = _all_gather_int(_digest(lines), group, timeout, f"{what} consistency check")
     if all(d == digests[0] for d in digests):
         return
-    everyone: List[Optional[List[str]]] = [None] * size
-    torch.distributed.all_gather_object(everyone, lines, group=group)
+    blobs = _all_gather_bytes(pickle.dumps(lines), group, timeout, f"{what} descriptions")
+    everyone: List[List[str]] = [pickle.loads(blob) for blob in blobs]
     ranks = comm.group_ranks(group)
     details = []
     for index, other in enumerate(everyone):
@@ -210,27 +201,35 @@ def _slots(obj: Any) -> List[_TensorSlot]:
     return sorted(found, key=lambda slot: slot.index)
 
 
+def _all_gather_int(value: int, group, timeout, what: str) -> List[int]:
+    """Every rank's ``value`` (one int64 each), with the package's timeout and stall warning."""
+    device = comm.small_tensor_device(group)
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    gathered = torch.empty(comm.world_size(group), dtype=torch.int64, device=device)
+
+    def stages():
+        yield comm.all_gather(gathered, mine, group)
+
+    comm.run(stages(), what, timeout)
+    return [int(v) for v in gathered.tolist()]
+
+
 def _all_gather_bytes(blob: bytes, group, timeout, what: str) -> List[bytes]:
+    """Every rank's ``blob`` (of any length), with the package's timeout and stall warning."""
     size = comm.world_size(group)
     device = comm.small_tensor_device(group)
-    length = torch.tensor([len(blob)], dtype=torch.int64, device=device)
-    lengths = torch.empty(size, dtype=torch.int64, device=device)
-
-    def sizes():
-        yield comm.all_gather(lengths, length, group)
-
-    comm.run(sizes(), f"{what} (sizes)", timeout)
-    counts = [int(n) for n in lengths.tolist()]
+    counts = _all_gather_int(len(blob), group, timeout, f"{what} (sizes)")
     longest = max(counts)
     mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else mine[:0]
+    if blob:
+        mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     mine = mine.to(device)
     everyone = torch.empty(size * longest, dtype=torch.uint8, device=device)
 
     def blobs():
         yield comm.all_gather(everyone, mine, group)
 
-    comm.run(blobs(), f"{what} (layouts)", timeout)
+    comm.run(blobs(), f"{what} (bytes)", timeout)
     raw = everyone.cpu().numpy().tobytes()
     return [raw[i * longest : i * longest + counts[i]] for i in range(size)]
 
