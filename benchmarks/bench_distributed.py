@@ -5,7 +5,8 @@ Measures, on one MLP and one bucket size:
     against ``torch.nn.parallel.DistributedDataParallel`` with the same bucket size;
   * the same comparison over a sweep of bucket sizes;
   * bytes each rank writes to its sockets per step, for every algorithm (Linux /proc/self/io);
-  * Bagua's autotuner searching the bucket size, and the tuned setting against the default and DDP.
+  * Bagua's autotuner searching the bucket size, and the tuned setting against the default and DDP;
+  * one rank slowed 2x: how much of its speed the fast rank keeps under DDP, gradient_allreduce and async.
 
 Variants run interleaved in rounds inside the same two processes so that background load
 hits them alike; the reported time is the median step time of rank 0.
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bagua_integrations import fuse_optimizer  # noqa: E402
 from bagua_integrations.distributed import WireMeter, bagua_init  # noqa: E402
+from bagua_integrations.optim import QAdam  # noqa: E402
 
 MB = 1 << 20
 
@@ -51,10 +53,12 @@ def build_model(width: int, depth: int, seed: int = 0) -> torch.nn.Module:
 class Variant:
     """One way of training the model: a wrapped model, its optimizer and its step function."""
 
-    def __init__(self, name, args, algorithm=None, ddp=False, fused=False, message_size=None, **kwargs):
+    def __init__(self, name, args, algorithm=None, ddp=False, fused=False, message_size=None, make_optimizer=None,
+                 **kwargs):
         self.name = name
         self.model = build_model(args.width, args.depth)
-        optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        make_optimizer = make_optimizer or (lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9))
+        optimizer = make_optimizer(self.model.parameters())
         message_size = message_size or args.message_size
         if fused:
             fuse_optimizer(optimizer)
@@ -145,6 +149,40 @@ def _autotuned(args, rank):
     return {"compare": compared, "search": search}
 
 
+def _straggler(args, rank):
+    """Rank 1 made 2x slower (it sleeps its own step time after each step): rank 0's steps/s
+    against the same variant with no one slowed. Synchronous algorithms wait for the straggler
+    at every step; async averaging does not."""
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    out = {}
+    for name, kwargs in (("ddp", dict(ddp=True)), ("gradient_allreduce", dict(algorithm="gradient_allreduce")),
+                         ("async", dict(algorithm="async", sync_interval_ms=0))):
+        variant = Variant(name, args, **kwargs)
+        for _ in range(3):
+            variant.step(x, y)
+        rates = {}
+        for slowed in (False, True):
+            dist.barrier()
+            own = [variant.step(x, y) for _ in range(3)]
+            pause = statistics.median(own) if slowed and rank == 1 else 0.0
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.straggler_steps):
+                variant.step(x, y)
+                if pause:
+                    time.sleep(pause)
+            rates[slowed] = args.straggler_steps / (time.perf_counter() - start)
+            if name == "async":
+                variant.wrapped.algorithm.abort()  # every rank the same rounds, then one synchronous average
+                variant.wrapped.algorithm.resume()
+        out[name] = {"steps_per_s": rates[False], "slowed_steps_per_s": rates[True], "kept": rates[True] / rates[False]}
+        if name == "async":
+            variant.wrapped.algorithm.abort()
+    return out
+
+
 def worker(rank, world, port, args, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -180,11 +218,18 @@ def worker(rank, world, port, args, out_path):
         ("low_precision_decentralized", dict(algorithm="low_precision_decentralized")),
         ("bmuf (global_sync_iter=1)", dict(algorithm="bmuf", warmup_iterations=0, global_sync_iter=1)),
         ("bmuf (global_sync_iter=10)", dict(algorithm="bmuf", warmup_iterations=0, global_sync_iter=10)),
+        # after its 1 warm-up step (the one _bytes_per_step leaves out): uint8 momentum
+        ("qadam (after warm-up)", dict(algorithm="qadam", make_optimizer=lambda params: QAdam(params, lr=1e-3, warmup_steps=1))),
+        ("async (sync_interval_ms=0)", dict(algorithm="async", sync_interval_ms=0)),
     ]
     for name, kwargs in algorithms:
         variant = Variant(name, args, **kwargs)
         traffic[name] = _bytes_per_step(variant, args, rank, steps=10)
+        if kwargs.get("algorithm") == "async":
+            variant.wrapped.algorithm.abort()
     results["bytes_per_step"] = traffic
+    if args.straggler_steps:
+        results["straggler"] = _straggler(args, rank)
     results["param_bytes"] = sum(p.numel() * p.element_size() for p in build_model(args.width, args.depth).parameters())
     if rank == 0:
         with open(out_path, "w") as handle:
@@ -245,6 +290,12 @@ def report(results, args) -> str:
             lines.append(f"| {name} | n/a | n/a |")
         else:
             lines.append(f"| {name} | {value / MB:.2f} | {value / base:.3f} |")
+    if "straggler" in results:
+        lines += ["", f"## one rank slowed 2x ({args.straggler_steps} steps; rank 1 sleeps its own step time after each step)",
+                  "rank 0's steps/s, with no rank slowed and with rank 1 slowed, and the share it keeps", "",
+                  "| variant | steps/s | steps/s, rank 1 slowed | kept |", "|---|---:|---:|---:|"]
+        for name, row in results["straggler"].items():
+            lines.append(f"| {name} | {row['steps_per_s']:.1f} | {row['slowed_steps_per_s']:.1f} | {row['kept']:.0%} |")
     return "\n".join(lines)
 
 
@@ -258,6 +309,7 @@ def main(argv=None):
     parser.add_argument("--message-size", type=int, default=4 * MB, help="bucket bytes (bagua message_size, DDP bucket_cap_mb)")
     parser.add_argument("--sweep", type=int, nargs="*", default=[MB // 4, MB, 4 * MB, 16 * MB])
     parser.add_argument("--autotune-trials", type=int, default=8, help="autotuner trials (0: skip the autotune rows)")
+    parser.add_argument("--straggler-steps", type=int, default=40, help="steps per straggler measurement (0: skip)")
     parser.add_argument("--json", help="also write the raw numbers here")
     args = parser.parse_args(argv)
     out_path = args.json or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_distributed_{os.getpid()}.json")

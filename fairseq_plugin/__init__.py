@@ -21,5 +21,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     ) from exc
 
 from .optimizer import BaguaFusedConfig, BaguaFusedOptimizer  # noqa: E402  (registers "bagua_fused")
+from .qadam import FairseqQAdam  # noqa: E402  (registers "qadam", the optimizer of --bagua-algorithm qadam)
 
-__all__ = ["USER_DIR", "BaguaFusedConfig", "BaguaFusedOptimizer"]
+__all__ = ["USER_DIR", "BaguaFusedConfig", "BaguaFusedOptimizer", "FairseqQAdam"]

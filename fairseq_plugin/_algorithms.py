@@ -29,7 +29,7 @@ from bagua_integrations.distributed.algorithms.registry import algorithm_paramet
 logger = logging.getLogger(__name__)
 
 # The built-in names (the parser and the help text list whatever the core registers).
-ALGORITHMS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "bmuf")
+ALGORITHMS = ("gradient_allreduce", "bytegrad", "qadam", "decentralized", "low_precision_decentralized", "bmuf", "async")
 # ddp backends whose wrapper leaves gradient communication to FairseqOptimizer.all_reduce_grads
 MANUAL_DDP_BACKENDS = ("legacy_ddp", "no_c10d")
 
@@ -84,6 +84,12 @@ class AlgorithmOptions(FairseqDataclass):
     )
     bagua_average_sync: Optional[bool] = field(
         default=None, metadata={"help": "bmuf: also average the optimizer state at each sync (default off)"}
+    )
+    bagua_sync_interval_ms: Optional[int] = field(
+        default=None, metadata={"help": "async: start a background averaging round every N ms (default 500)"}
+    )
+    bagua_warmup_steps: Optional[int] = field(
+        default=None, metadata={"help": "async: updates averaged synchronously before the background rounds (default 0)"}
     )
 
 
@@ -162,7 +168,7 @@ def _data_parallel_group():
     return distributed_utils.get_data_parallel_group()
 
 
-def check_setup(name: str, root) -> None:
+def check_setup(name: str, root, algorithm=None) -> None:
     """Refuse fairseq settings under which the algorithm would communicate twice or not at all."""
     if root is None:
         return
@@ -173,6 +179,12 @@ def check_setup(name: str, root) -> None:
             f"--bagua-algorithm {name} cannot be combined with fairseq's --use-bmuf; use "
             f"--bagua-algorithm bmuf (with --bagua-global-sync-iter, ...) or drop --bagua-algorithm"
         )
+    if getattr(algorithm, "needs_unscaled_gradients", False) and optimization is not None:
+        if (optimization.get("clip_norm") or 0) > 0:
+            raise ValueError(
+                f"--bagua-algorithm {name} communicates momentum in place of gradients after its warm-up, so "
+                f"--clip-norm would clip the momentum; train with --clip-norm 0"
+            )
     if training is None:
         return
     world = training.get("distributed_world_size") or 1
@@ -195,8 +207,9 @@ def prepare(cfg, root=None):
             raise ValueError(f"{', '.join(unused)} only apply with --bagua-algorithm (choose from {', '.join(choices())})")
         return None
     name = check_name(str(name))
-    check_setup(name, root)
-    return name, get_algorithm(name, **algorithm_kwargs(cfg, name))
+    algorithm = get_algorithm(name, **algorithm_kwargs(cfg, name))
+    check_setup(name, root, algorithm)
+    return name, algorithm
 
 
 def attach(prepared, torch_optimizer, params: List[torch.Tensor]) -> Optional[AlgorithmSession]:

@@ -313,6 +313,7 @@ class BaguaFusedOptimizer(FairseqOptimizer):
         self.base_optimizer.multiply_grads(c)
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        self._reduce_deferred()
         norm = self.base_optimizer.clip_grad_norm(max_norm, aggregate_norm_fn)
         if self.algorithm is not None:
             # model algorithms: each rank clips by its own norm; report the ranks' mean so that
@@ -336,6 +337,7 @@ class BaguaFusedOptimizer(FairseqOptimizer):
             raise ValueError("--optimizer bagua_fused does not support stepping selected param groups")
         if scale != 1.0:
             self.multiply_grads(1.0 / scale)
+        self._reduce_deferred()
         self._optimizer.step(closure)
         if self.algorithm is not None:
             self.algorithm.after_update()
@@ -348,11 +350,25 @@ class BaguaFusedOptimizer(FairseqOptimizer):
             )
 
     def all_reduce_grads(self, module):
-        """Gradient communication: the Bagua algorithm's, or the module's own (legacy DDP)."""
+        """Gradient communication: the Bagua algorithm's, or the module's own (legacy DDP).
+
+        fairseq normalizes gradients (``multiply_grads``: sample size, loss scale) only after
+        this call. An algorithm that mixes gradients with optimizer state before communicating
+        (qadam's momentum) needs them normalized, so its communication waits for the first of
+        ``clip_grad_norm`` / ``step``, on the optimizer's own (fp32) parameters.
+        """
         if self.algorithm is None:
             self.base_optimizer.all_reduce_grads(module)
+        elif getattr(self.algorithm.algorithm, "needs_unscaled_gradients", False):
+            _algorithms.gradient_params(self.algorithm, module)  # refuses a DDP-wrapped model
+            self._deferred_reduce = True
         else:  # a no-op for model algorithms, which keep gradients local
             self.algorithm.allreduce_gradients(_algorithms.gradient_params(self.algorithm, module))
+
+    def _reduce_deferred(self):
+        if getattr(self, "_deferred_reduce", False):
+            self._deferred_reduce = False
+            self.algorithm.allreduce_gradients(list(self.params))
 
     # Flags: fused steps take no ``scale``/``groups``; the rest is whatever the base supports.
     @property

@@ -20,6 +20,7 @@ from .errors import AlgorithmSetupError
 from .optimizer import unwrap_optimizer
 
 __all__ = [
+    "check_gradient_handling",
     "load_algorithm",
     "attach_algorithm",
     "AlgorithmAttachment",
@@ -138,6 +139,24 @@ class AlgorithmAttachment:
     def after_optimizer_step(self, step: Optional[int] = None) -> bool:
         """Count the update; model algorithms communicate weights here. Returns whether they did."""
         return self.session.after_update(step)
+
+
+def check_gradient_handling(algorithm: Any, *, loss_scaling: bool, clipping: bool) -> None:
+    """Refuse fp16 loss scaling and gradient clipping under an algorithm that mixes the gradients
+    with optimizer state before communicating them (qadam: ``needs_unscaled_gradients``): the
+    scaler would unscale the momentum, the clip would clip it."""
+    if not getattr(algorithm, "needs_unscaled_gradients", False):
+        return
+    if loss_scaling:
+        raise AlgorithmSetupError(
+            f"{algorithm.name} folds each gradient into the optimizer's momentum before communicating, so the "
+            "gradients must not be loss-scaled: train in bf16 or fp32 instead of fp16"
+        )
+    if clipping:
+        raise AlgorithmSetupError(
+            f"{algorithm.name} communicates momentum in place of gradients after its warm-up, so gradient "
+            "clipping would clip the momentum: set TrainingArguments(max_grad_norm=0)"
+        )
 
 
 def attach_algorithm(algorithm: Any, wrapped_model: Any, optimizer: Any = None) -> Optional[AlgorithmAttachment]:

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ._algorithms import attach_algorithm, load_algorithm
+from ._algorithms import attach_algorithm, check_gradient_handling, load_algorithm
 from .errors import UnsupportedSetupError
 from .optimizer import fuse_for_frameworks, is_fused, require_step_fused, unwrap_optimizer
 
@@ -109,6 +109,9 @@ def prepare(
     if not isinstance(prepared, tuple):
         prepared = (prepared,)
     if resolved is not None:
+        # clipping is the loop's own call here (accelerator.clip_grad_norm_): documented, not checked
+        check_gradient_handling(resolved, loss_scaling=getattr(accelerator, "mixed_precision", "no") == "fp16",
+                                clipping=False)
         wrapped_model, wrapped_optimizer = prepared[0], prepared[1]
         attachment = attach_algorithm(resolved, wrapped_model, optimizer=wrapped_optimizer)
         if attachment is not None and attachment.needs_step_callback:

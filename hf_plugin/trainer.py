@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ._algorithms import AlgorithmAttachment, attach_algorithm, load_algorithm
+from ._algorithms import AlgorithmAttachment, attach_algorithm, check_gradient_handling, load_algorithm
 from .errors import UnsupportedSetupError
 from .optimizer import fuse_for_frameworks, is_fused, require_step_fused, unwrap_optimizer
 
@@ -90,8 +90,11 @@ class BaguaAlgorithmCallback(TrainerCallback):
                 "Bagua algorithms run as DDP communication hooks; DeepSpeed and FSDP do their own gradient "
                 "communication. Train with plain DDP (torchrun without deepspeed/fsdp)."
             )
+        check_gradient_handling(self.algorithm, loss_scaling=bool(args.fp16), clipping=(args.max_grad_norm or 0) > 0)
         wrapped = trainer.model_wrapped
         if self.attachment is not None and self.attachment.wraps(wrapped):
+            if hasattr(self.attachment.algorithm, "resume"):
+                self.attachment.algorithm.resume()  # async: background rounds again after on_train_end's abort
             return  # a second train() call on the same DDP model: the hook is already in place
         self.attachment = attach_algorithm(self.algorithm, wrapped, optimizer=trainer.optimizer)
         if self.attachment is not None and self.autotune is not None:
@@ -146,6 +149,12 @@ class BaguaAlgorithmCallback(TrainerCallback):
         if isinstance(resume, (str, os.PathLike)):
             return os.fspath(resume)
         return _checkpoint_folder(args, state)  # resumed some other way: where Trainer saved this step
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # async averaging: end the background rounds with one synchronous average (Bagua's
+        # algorithm.abort), so every rank evaluates and saves the same weights after train()
+        if self.attachment is not None and hasattr(self.attachment.algorithm, "abort"):
+            self.attachment.algorithm.abort()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.attachment is None:

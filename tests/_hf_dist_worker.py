@@ -9,7 +9,8 @@ Cases:
                       fused (BaguaTrainer, plain DDP), or an algorithm name. A suffix "@sgd"
                       trains with plain SGD and no clipping (linear updates: averaging weights
                       after local steps equals averaging gradients); "@ga" accumulates gradients
-                      over 2 micro-batches (DDP's no_sync in between).
+                      over 2 micro-batches (DDP's no_sync in between); "@qadam" trains with
+                      bagua_integrations.optim.QAdam and no clipping.
   accelerate-<name>   a plain Accelerate loop; <name> is ddp (accelerator.prepare, unfused)
                       or an algorithm name (hf_plugin.prepare).
   mismatch            rank 0 asks for bytegrad, rank 1 for gradient_allreduce: must fail by name.
@@ -34,6 +35,7 @@ STEPS = 12
 ALGO_KWARGS = {
     "decentralized": {"peer_selection_mode": "all"},
     "bmuf": {"global_sync_iter": 4, "warmup_iterations": 0, "block_momentum": 0.5},
+    "async": {"sync_interval_ms": 0, "warmup_steps": 2, "timeout": 60},
 }
 
 
@@ -78,7 +80,9 @@ def summarize(losses, final, initial, optimizer, extra=None):
 VARIANTS = {
     "sgd": {"optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.2, "weight_decay": 0.01},
     "ga": {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
+    "qadam": {"max_grad_norm": 0.0},  # and the QAdam optimizer (warm-up 4 updates)
 }
+QADAM_WARMUP = 4
 
 
 def run_trainer_case(name, out_dir):
@@ -93,6 +97,10 @@ def run_trainer_case(name, out_dir):
     settings.update(VARIANTS.get(variant, {}))
     args = U.training_args(os.path.join(out_dir, f"run-{name}-{variant}"), **settings)
     kwargs = dict(model=model, args=args, train_dataset=U.make_dataset(64))
+    if variant == "qadam":
+        from bagua_integrations.optim import QAdam
+
+        kwargs["optimizers"] = (QAdam(model.parameters(), lr=args.learning_rate, warmup_steps=QADAM_WARMUP), None)
     if name == "ddp":
         trainer = Trainer(**kwargs)
     elif name == "fused":
@@ -104,6 +112,11 @@ def run_trainer_case(name, out_dir):
     else:
         trainer = hf_plugin.BaguaTrainer(**kwargs, bagua_algorithm=name, bagua_algorithm_kwargs=ALGO_KWARGS.get(name))
     trainer.train()
+    extra = {}
+    if name == "async":  # background rounds ran during train(); its end aborted them (one synchronous average)
+        algorithm = trainer.bagua_callback.attachment.algorithm
+        extra["async_rounds"] = gather_object(algorithm.rounds_applied)
+        extra["async_aborted"] = algorithm.aborted
     if name == "decentralized+autotune":
         session = trainer.bagua_callback.attachment.session
         report = session.autotuner.report()
@@ -116,7 +129,7 @@ def run_trainer_case(name, out_dir):
     callback = getattr(trainer, "bagua_callback", None)
     updates = callback.attachment.updates if callback is not None and callback.attachment is not None else None
     return summarize(recorder.losses, U.flat_params(model), initial, trainer.optimizer,
-                     {"wrapped": wrapped, "after_step_calls": updates})
+                     {"wrapped": wrapped, "after_step_calls": updates, **extra})
 
 
 def run_accelerate_case(name, out_dir):

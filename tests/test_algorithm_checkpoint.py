@@ -29,6 +29,8 @@ ALGORITHMS = {
     "bmuf_in_warmup": ("bmuf", {"block_momentum": 0.5, "global_sync_iter": 2, "warmup_iterations": 6}),
     # per-rank public copies of its own and its neighbours' weights
     "low_precision_decentralized": ("low_precision_decentralized", {"communication_interval": 2}),
+    # state lives in its QAdam optimizer; the checkpoint falls after warm-up (compressed momentum)
+    "qadam": ("qadam", {"hierarchical": False}),
 }
 # resuming without the algorithm state goes wrong for these (counters, global model, rank 0's weights)
 # (shift_one on 2 ranks always pairs the two, whose averages are equal, so no round or weight is lost)
@@ -58,7 +60,12 @@ def _build(key, seed, **init_kwargs):
 
     name, kwargs = ALGORITHMS[key]
     model = _model(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    if name == "qadam":
+        from bagua_integrations.optim import QAdam
+
+        optimizer = QAdam(model.parameters(), lr=0.05, warmup_steps=2)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     return model, optimizer, (lambda **more: bagua_init(model, optimizer, name, **kwargs, **init_kwargs, **more))
 
 

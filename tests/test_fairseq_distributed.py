@@ -203,3 +203,50 @@ def test_low_precision_decentralized_runs_through_the_registry(corpus, tmp_path)
     assert all(loss == loss for loss in run.losses().values())
     # quantized differences: the ranks come close at every averaging but are never bit-identical
     assert not any(in_sync(ranks).values())
+
+
+QADAM = ["--user-dir", str(PROBE_DIR), "--optimizer", "bagua_fused", "--bagua-base-optimizer", "qadam",
+         "--qadam-warmup-steps", "4", "--clip-norm", "0"]
+
+
+def test_qadam_pair_keeps_ranks_identical_and_warms_up_exactly(corpus, tmp_path):
+    """``--bagua-base-optimizer qadam --bagua-algorithm qadam`` against the same optimizer with exact
+    gradient averaging: the warm-up updates agree to rounding (fairseq normalizes the gradients before
+    qadam communicates them, after gradient_allreduce does), later ones within 8-bit momentum error;
+    every update leaves both ranks identical."""
+    ref = launch(corpus, tmp_path, "qadam-ref", [*QADAM, "--bagua-algorithm", "gradient_allreduce"])
+    ours = launch(corpus, tmp_path, "qadam", [*QADAM, "--bagua-algorithm", "qadam"])
+    (ref_run, _), (run, ranks) = finish(*ref), finish(*ours)
+    assert "algorithm qadam" in run.log
+    assert all(in_sync(ranks).values()), in_sync(ranks)
+    want, got = ref_run.losses(), run.losses()
+    assert all(abs(got[u] - want[u]) < 1e-4 for u in range(1, 5)), (got, want)
+    assert max(abs(got[u] - want[u]) for u in want) < 0.05, (got, want)
+    assert run.column("gnorm") != ref_run.column("gnorm")  # after warm-up the norm is the momentum's
+
+
+def test_qadam_refuses_gradient_clipping():
+    from fairseq_plugin import _algorithms
+    from omegaconf import OmegaConf
+
+    from bagua_integrations.distributed import get_algorithm
+
+    cfg = OmegaConf.create({"optimization": {"clip_norm": 1.0}, "distributed_training": {"distributed_world_size": 1}})
+    with pytest.raises(ValueError, match="--clip-norm 0"):
+        _algorithms.check_setup("qadam", cfg, get_algorithm("qadam"))
+
+
+# slow: a 2-rank fairseq run with async died with the gloo abort ("terminate called without an active
+# exception", the one _fairseq_utils relaunches loudly) in 4 of 21 launches with 2 CPU hogs beside it,
+# right after the first forward, when fairseq builds the optimizer and async creates its process group;
+# the core's async tests (tests/test_async_model_average.py) never hit it. Cause not found yet.
+@pytest.mark.slow
+def test_async_runs_through_the_registry(corpus, tmp_path):
+    """--bagua-algorithm async: background rounds during training, a clean exit (the thread and its
+    process group do not hold fairseq up), and the ranks' weights drift apart between rounds."""
+    args = bagua("--bagua-algorithm", "async", "--bagua-sync-interval-ms", "0", "--bagua-warmup-steps", "2")
+    run, ranks = finish(*launch(corpus, tmp_path, "async", args))
+    assert "algorithm async" in run.log
+    assert all(loss == loss for loss in run.losses().values())
+    assert in_sync(ranks)[1] and in_sync(ranks)[2]  # synchronous warm-up
+    assert not all(in_sync(ranks).values())

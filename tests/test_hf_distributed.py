@@ -31,9 +31,12 @@ CASES = [
     "trainer-ddp@sgd",
     "trainer-decentralized@sgd",
     "trainer-bmuf",
+    "trainer-async@sgd",
     "trainer-decentralized+autotune",
     "trainer-ddp@ga",
     "trainer-gradient_allreduce@ga",
+    "trainer-ddp@qadam",
+    "trainer-qadam@qadam",
     "accelerate-ddp",
     "accelerate-gradient_allreduce",
     "accelerate-bytegrad",
@@ -92,6 +95,28 @@ def test_trainer_gradient_allreduce_with_accumulation(results):
     assert got["rank_spread"] == 0.0
     assert STEPS <= got["collectives"].get("all_reduce", 0) < 2 * STEPS
     assert_fused_to_the_end(got)
+
+
+def test_trainer_qadam(results):
+    """BaguaTrainer(bagua_algorithm="qadam") with a QAdam optimizer, against plain DDP with the same
+    optimizer: the warm-up is the same training; then momentum travels as uint8 (all-to-all +
+    all-gather, no float allreduce of gradients) and every rank keeps the same weights."""
+    got, ref = case_result(results, "trainer-qadam@qadam"), case_result(results, "trainer-ddp@qadam")
+    assert got["rank_spread"] == 0.0
+    warmup = 4
+    torch.testing.assert_close(torch.tensor(got["losses"])[:, : warmup + 1], torch.tensor(ref["losses"])[:, : warmup + 1], **TOL)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=2e-2)
+    assert got["collectives"].get("all_to_all", 0) >= STEPS - warmup
+    assert got["losses"] != ref["losses"]  # the compressed path really ran
+    assert_fused_to_the_end(got)
+
+
+def test_trainer_async_averages_in_the_background_and_abort_equalizes(results):
+    got = case_result(results, "trainer-async@sgd")
+    assert min(got["async_rounds"]) >= 1  # rounds were applied while Trainer trained
+    assert got["async_aborted"]  # on_train_end: abort(), one synchronous average
+    assert got["rank_spread"] == 0.0 and got["moved"] > 1e-3
+    assert got["after_step_calls"] == STEPS
 
 
 def test_trainer_bytegrad(results):

@@ -1,8 +1,8 @@
 """Issue 14 item 3: ``low_precision_decentralized`` against plain ``torch.distributed`` code written here.
 
-The reference keeps the same three public copies per rank, mixes ``(x + left + right) / 3``,
-quantizes ``mixed - own`` with its own min-max uint8 code (1024 elements per min/max pair) and
-moves the payloads with ``all_gather``. Weights must match bit for bit on 2 ranks (one neighbour
+The reference keeps the same three public copies per rank, quantizes ``x - own`` (x after the local
+step) with its own min-max uint8 code (1024 elements per min/max pair), moves the payloads with
+``all_gather``, updates the copies and takes the gossip step ``x += (left + right - 2 own) / 3``. Weights must match bit for bit on 2 ranks (one neighbour
 on both sides) and on 3 (a real ring), and the public copy a rank keeps of its left neighbour
 must equal that neighbour's own copy exactly.
 """
@@ -66,8 +66,7 @@ def _train(rank, world, ours: bool, steps=STEPS):
             continue
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            mixed = torch.add(flat, left_copy).add_(right_copy).div_(3)
-            codes, lo, hi = _quantize(mixed - own)
+            codes, lo, hi = _quantize(flat - own)
             everyone = [[torch.empty_like(t) for _ in range(world)] for t in (codes, lo, hi)]
             for gathered, t in zip(everyone, (codes, lo, hi)):
                 dist.all_gather(gathered, t)
@@ -75,6 +74,7 @@ def _train(rank, world, ours: bool, steps=STEPS):
             own += _dequantize(codes, lo, hi, n)
             left_copy += _dequantize(everyone[0][left], everyone[1][left], everyone[2][left], n)
             right_copy += _dequantize(everyone[0][right], everyone[1][right], everyone[2][right], n)
+            mixed = flat + (left_copy + right_copy - 2 * own) / 3  # the gossip step, ring weights 1/3
             offset = 0
             for p in model.parameters():
                 p.copy_(mixed[offset: offset + p.numel()].view_as(p))
@@ -113,3 +113,32 @@ def test_configuration_errors_are_named():
     with pytest.raises(AlgorithmConfigError, match="hierarchical_reduce=False"):
         get_algorithm("low_precision_decentralized", hierarchical=True).validate_hierarchy()
     assert get_algorithm("LowPrecisionDecentralize").name == "low_precision_decentralized"
+
+
+def _same_data(rank, world):
+    """Every rank trains on the same batches: ranks stay equal, so the gossip step must be a no-op
+    and training must equal one process's, update for update."""
+    from bagua_integrations import bagua_init
+
+    out = {}
+    for ours in (True, False):
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        wrapped = bagua_init(model, optimizer, "low_precision_decentralized")[0] if ours else model
+        for step in range(STEPS):
+            x, y = _batch(0, step)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            optimizer.step()
+        out[ours] = [p.detach().clone() for p in model.parameters()]
+        if ours:
+            wrapped.close()
+    return out
+
+
+def test_every_local_update_counts_in_full():
+    """Mixing the new weights with the neighbours' previous-round copies (the earlier form) counted
+    each update at 1/3 (a third of the learning rate on 2 ranks) and fails this."""
+    for result in values(run_ranks(_same_data, 2, timeout=120)):
+        for a, b in zip(result[True], result[False]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

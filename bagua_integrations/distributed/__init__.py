@@ -1,8 +1,8 @@
 """Bagua's distributed API on ``torch.distributed``: the reducer, the algorithms, ``bagua_init``.
 
-Gradient algorithms (``gradient_allreduce``, ``bytegrad``) average gradients in buckets
-during backward; model algorithms (``decentralized``, ``bmuf``) change the weights after the
-optimizer step. Every algorithm also works without ``bagua_init`` for frameworks that own
+Gradient algorithms (``gradient_allreduce``, ``bytegrad``, ``qadam``) average gradients in
+buckets during backward; model algorithms (``decentralized``, ``low_precision_decentralized``,
+``bmuf``, ``async``) change the weights after the optimizer step. Every algorithm also works without ``bagua_init`` for frameworks that own
 their training loop (see ``docs/distributed.md``). Uneven inputs: ``with model.join():``
 (torch's ``Join``); a collective stuck on a missing peer warns (``CollectiveStallWarning``)
 before it fails (``CommunicationError``).
@@ -11,13 +11,16 @@ before it fails (``CommunicationError``).
 from .algorithms import (
     BMUF,
     Algorithm,
+    AsyncModelAverage,
     ByteGrad,
     Decentralized,
     DistributedAlgorithm,
     GradientAlgorithm,
     GradientAllReduce,
+    LowPrecisionDecentralized,
     MinMaxUInt8,
     ModelAlgorithm,
+    QAdamAlgorithm,
     get_algorithm,
     list_algorithms,
     register_algorithm,
@@ -88,6 +91,9 @@ __all__ = [
     "MinMaxUInt8",
     "Decentralized",
     "BMUF",
+    "LowPrecisionDecentralized",
+    "QAdamAlgorithm",
+    "AsyncModelAverage",
     "DistributedAlgorithm",
     "register_algorithm",
     "get_algorithm",

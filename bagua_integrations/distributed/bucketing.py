@@ -159,6 +159,8 @@ class Bucket:
         if self.pack.copied:  # entries of one segment are adjacent slices of it: always a view
             raise ReducerStateError("internal error: a gradient bucket is not a view of its segment")
         self.flat = self.pack.flat
+        #: (parameter, its gradient's view of ``flat``) for algorithms that read per-parameter state
+        self.members = [(e.param, e.view) for e in entries]
         for entry in entries:
             entry.bucket = self
 

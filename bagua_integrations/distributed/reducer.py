@@ -151,7 +151,7 @@ class Reducer:
         bucket = self.buckets[index]
         if self.join_state is not None:  # uneven inputs: the mean over the ranks that still have data
             self.join_state.contribute(bucket.flat, mean=not self.join_state.divide_by_initial_world_size)
-        stages = self.algorithm.stages(bucket.flat, self.group)
+        stages = self.algorithm.bucket_stages(bucket.flat, bucket.members, self.group)
         self._pendings.append(comm.Pending(stages, self._what[index], self.timeout))
         self._next = index + 1
 

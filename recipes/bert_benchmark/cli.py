@@ -13,6 +13,7 @@ Writes ``results.md`` (the table, also printed), ``results.json`` and ``epoch_ti
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bagua-algorithm", default=None,
                      help="Bagua communication algorithm for multi-process runs (torchrun / accelerate launch; "
                      "fairseq: --nproc): gradient_allreduce, bytegrad, decentralized, bmuf, ...")
+    run.add_argument("--bagua-algorithm-args", default=None, metavar="JSON",
+                     help="the algorithm's keyword arguments as a JSON object, e.g. '{\"sync_interval_ms\": 0}' "
+                     "(fairseq rows: each becomes --bagua-<name> VALUE)")
     run.add_argument("--nproc", type=int, default=None,
                      help="fairseq front end: processes for fairseq-train (default: the recipe's own world size)")
     run.add_argument("--fairseq-timeout", type=float, default=None, help="seconds per fairseq-train row")
@@ -137,6 +141,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         if args.bagua_algorithm not in list_algorithms():
             raise SystemExit(f"error: unknown --bagua-algorithm {args.bagua_algorithm!r}; choose from {list(list_algorithms())}")
+    algorithm_args = {}
+    if args.bagua_algorithm_args:
+        if not args.bagua_algorithm:
+            raise SystemExit("error: --bagua-algorithm-args needs --bagua-algorithm")
+        try:
+            algorithm_args = json.loads(args.bagua_algorithm_args)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"error: --bagua-algorithm-args is not JSON ({exc})") from None
+        if not isinstance(algorithm_args, dict):
+            raise SystemExit("error: --bagua-algorithm-args must be a JSON object of keyword arguments")
     frontends = ["hf", "fairseq"] if args.frontend == "both" else [args.frontend]
     out_dir = args.out_dir or os.path.join("results", "bert_benchmark", preset.name)
     train, valid, tokenizer, data_description = load_data(args, preset)
@@ -167,6 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "model": args.model or "built from the preset's config (random init, seed %d)" % args.seed,
             "world_size": world,
             "bagua_algorithm": args.bagua_algorithm,
+            "bagua_algorithm_args": algorithm_args,
             "precision": args.precision,
             "threads": args.threads,
             "hardware": hw,
@@ -192,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         plan = HFPlan(preset, train, valid, out_dir, seed=args.seed, model_dir=args.model, tokenizer=tokenizer,
                       num_labels=num_labels, precision=args.precision, bagua_algorithm=args.bagua_algorithm,
-                      progress=not args.no_progress)
+                      bagua_algorithm_args=algorithm_args, progress=not args.no_progress)
         run_hf(plan, rows, on_result=on_result)
     if "fairseq" in frontends and rank == 0:
         from .fairseq_frontend import FairseqPlan, run_fairseq
@@ -206,7 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise AssertionError("fairseq needs the word tokenizer")
             plan = FairseqPlan(preset, train, valid, tokenizer, out_dir, seed=args.seed, num_labels=num_labels,
                                nproc=args.nproc or world, precision=args.precision,
-                               bagua_algorithm=args.bagua_algorithm, threads=args.threads,
+                               bagua_algorithm=args.bagua_algorithm, bagua_algorithm_args=algorithm_args,
+                               threads=args.threads,
                                progress=not args.no_progress, timeout=args.fairseq_timeout)
             run_fairseq(plan, rows, on_result=on_result)
     if rank != 0:
@@ -244,7 +260,8 @@ def run_notes(args, preset: Preset, world: int, hw, hw_end, data_description: st
     steps = math.ceil(math.ceil(preset.train_size / world) / preset.batch_size) if args.train_file is None else None
     total = max(1, math.ceil(steps * preset.epochs)) if steps else None
     seed_rows = [r.key for r in rows if r.bertadam_defaults]
-    frontend_rows = [r.key for r in rows if r.frontend_clips_and_schedules]
+    frontend_rows = [r.key for r in rows if r.frontend_clips]
+    unclipped_rows = [r.key for r in rows if r.frontend_clips_and_schedules and not r.frontend_clips]
     notes = [
         "Epoch time: wall time of one training epoch (data loading, forward, backward, gradient clipping, "
         "optimizer step), without evaluation and without the compile time of compiled rows (its own column).",
@@ -276,6 +293,12 @@ def run_notes(args, preset: Preset, world: int, hw, hw_end, data_description: st
             f"{float(preset.max_grad_norm)} and schedules the learning rate (lr {preset.lr}, linear warmup "
             f"{preset.warmup_ratio:.0%}, linear decay); BertAdam there runs with max_grad_norm=-1, t_total=-1."
         )
+    if unclipped_rows:
+        notes.append(
+            f"Rows {', '.join(unclipped_rows)}: QAdam (warm-up: the front end's warmup updates); the front end schedules "
+            f"the learning rate as for the other rows but does not clip (under --bagua-algorithm qadam the optimizer "
+            "receives averaged momentum where gradients were after the warm-up)."
+        )
     notes += [
         "Rows ran back to back in this one run, with the same data and seed; HF rows in one process, each "
         "fairseq row in its own fairseq-train process.",
@@ -293,8 +316,9 @@ def run_notes(args, preset: Preset, world: int, hw, hw_end, data_description: st
             + (": the machine was shared with other jobs, so timings are noisy." if busy else ".")
         )
     if world > 1:
-        notes.append(f"{world} processes" + (f", Bagua algorithm {args.bagua_algorithm}" if args.bagua_algorithm else
-                                              ", plain DDP allreduce") + "; times are rank 0's.")
+        settings = f" {args.bagua_algorithm_args}" if args.bagua_algorithm_args else ""
+        notes.append(f"{world} processes" + (f", Bagua algorithm {args.bagua_algorithm}{settings}" if args.bagua_algorithm
+                                              else ", plain DDP allreduce") + "; times are rank 0's.")
     return notes
 
 

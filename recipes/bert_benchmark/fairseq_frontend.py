@@ -111,6 +111,11 @@ def optimizer_args(row: Row, preset: Preset, compile_flag: Optional[str], total_
         else:
             base += ["--bert-adam-max-grad-norm", "-1", "--bert-adam-t-total", "-1"]  # fairseq clips and schedules
         name = "bert_adam"
+    elif row.optimizer == "qadam":
+        warmup = max(1, int(preset.warmup_ratio * total_updates)) if total_updates > 0 else 1
+        base = ["--qadam-betas", betas, "--qadam-eps", str(preset.adam_eps), "--qadam-warmup-steps", str(warmup),
+                "--qadam-decoupled-weight-decay"]
+        name = "qadam"
     else:
         base = [
             "--torch-adamw-impl", row.impl or "foreach",
@@ -148,6 +153,7 @@ class FairseqPlan:
         nproc: int = 1,
         precision: str = "fp32",
         bagua_algorithm: Optional[str] = None,
+        bagua_algorithm_args: Optional[dict] = None,
         threads: Optional[int] = None,
         progress: bool = True,
         timeout: Optional[float] = None,
@@ -161,6 +167,7 @@ class FairseqPlan:
         self.nproc = nproc
         self.precision = precision
         self.bagua_algorithm = bagua_algorithm
+        self.bagua_algorithm_args = dict(bagua_algorithm_args or {})
         self.threads = threads
         self.progress = progress
         self.timeout = timeout
@@ -255,7 +262,7 @@ class FairseqPlan:
             cmd += [
                 "--lr-scheduler", "polynomial_decay", "--end-learning-rate", "0",
                 "--warmup-updates", str(int(p.warmup_ratio * total)), "--total-num-update", str(total),
-                "--clip-norm", str(p.max_grad_norm),
+                "--clip-norm", str(p.max_grad_norm if row.frontend_clips else 0),
             ]
         else:  # BertAdam clips each parameter and schedules itself: fairseq does neither
             cmd += ["--lr-scheduler", "fixed", "--clip-norm", "0"]
@@ -288,6 +295,9 @@ class FairseqPlan:
             cmd += ["--ddp-backend", "legacy_ddp"]
             if self.bagua_algorithm and row.fuse is not None:
                 optimizer += ["--bagua-algorithm", self.bagua_algorithm]
+                for key, value in self.bagua_algorithm_args.items():  # fairseq_plugin's --bagua-<name> flags
+                    flag = "--bagua-" + key.replace("_", "-")
+                    optimizer += [flag] if value is True else [] if value is False else [flag, str(value)]
         return cmd + optimizer
 
     def run_row(self, row: Row, compile_flag: Optional[str]) -> RowResult:

@@ -31,7 +31,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from bagua_integrations.optim import BertAdam  # noqa: E402
+from bagua_integrations.optim import BertAdam, QAdam  # noqa: E402
 
 from .data import Example, WordTokenizer  # noqa: E402
 from .presets import Preset  # noqa: E402
@@ -57,6 +57,7 @@ class HFPlan:
         num_labels: int = 2,
         precision: str = "fp32",
         bagua_algorithm: Optional[str] = None,
+        bagua_algorithm_args: Optional[dict] = None,
         progress: bool = True,
     ):
         self.preset = preset
@@ -69,6 +70,7 @@ class HFPlan:
         self.num_labels = num_labels
         self.precision = precision
         self.bagua_algorithm = bagua_algorithm
+        self.bagua_algorithm_args = dict(bagua_algorithm_args or {})
         self.progress = progress
         self._datasets = None
 
@@ -148,7 +150,7 @@ class HFPlan:
             adam_beta1=p.adam_betas[0],
             adam_beta2=p.adam_betas[1],
             adam_epsilon=p.adam_eps,
-            max_grad_norm=p.max_grad_norm if frontend else 0.0,
+            max_grad_norm=p.max_grad_norm if row.frontend_clips else 0.0,
             lr_scheduler_type="linear" if frontend else "constant",
             warmup_steps=int(p.warmup_ratio * total) if frontend else 0,
             seed=self.seed,
@@ -221,6 +223,11 @@ def build_optimizer(
         impl = {"foreach": dict(foreach=True), "fused": dict(fused=True), "single": dict(foreach=False)}[row.impl]
         kwargs = dict(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
                       **impl)
+    elif row.optimizer == "qadam":
+        cls = QAdam
+        warmup = max(1, int((warmup_ratio or 0.0) * (total_steps or 0)))
+        kwargs = dict(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, warmup_steps=warmup,
+                      decoupled_weight_decay=True)  # as the AdamW rows
     else:  # pragma: no cover - rows.py defines the choices
         raise ValueError(f"unknown optimizer {row.optimizer!r}")
     if row.fuse is None:
@@ -317,7 +324,7 @@ def run_row(plan: HFPlan, row: Row) -> RowResult:
     if plan.bagua_algorithm:  # in a single process the plugin warns once that there is nothing to communicate
         import hf_plugin
 
-        hf_plugin.use_bagua_algorithm(trainer, plan.bagua_algorithm)
+        hf_plugin.use_bagua_algorithm(trainer, plan.bagua_algorithm, **plan.bagua_algorithm_args)
     trainer.train()
     prediction = trainer.predict(valid_ds)
     logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions

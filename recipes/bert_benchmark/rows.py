@@ -36,7 +36,7 @@ __all__ = ["Row", "ROWS", "DEFAULT_ROWS", "parse_rows", "BASELINE", "GLOBALCLIP_
 class Row:
     key: str
     label: str
-    optimizer: str  # "bertadam" or "adamw"
+    optimizer: str  # "bertadam", "adamw" or "qadam"
     fuse: Optional[str] = None  # None (not fused), "eager" or "compiled": bagua_integrations.fuse_optimizer
     impl: Optional[str] = None  # torch AdamW: "foreach", "fused" or "single"
     # BertAdam keeps its defaults (per-parameter clipping to 1.0, its own warmup/t_total schedule) and the
@@ -64,10 +64,18 @@ class Row:
             return GLOBALCLIP_BASELINE
         return BASELINE
 
+    @property
+    def frontend_clips(self) -> bool:
+        """The front end clips the global gradient norm (not under QAdam: after its warm-up the
+        ``qadam`` algorithm hands the optimizer averaged momentum where gradients were)."""
+        return self.frontend_clips_and_schedules and self.optimizer != "qadam"
+
     def clipping(self, max_grad_norm: float) -> str:
         """Who clips what, for the table and the JSON."""
         if self.bertadam_defaults:
             return "per-parameter 1.0 (BertAdam max_grad_norm default)"
+        if not self.frontend_clips:
+            return "none"
         return f"global {float(max_grad_norm)} (front end)"
 
     def schedule(self, warmup_ratio: float, total_updates: int) -> str:
@@ -97,6 +105,8 @@ ROWS: Dict[str, Row] = {
             fuse="compiled"),
         Row("adamw-single", "torch AdamW foreach=False (per tensor)", "adamw", impl="single"),
         Row("adamw-fused-compiled", "torch AdamW fused by bagua, compiled", "adamw", fuse="compiled", impl="single"),
+        # the optimizer half of --bagua-algorithm qadam (warm-up: the front end's warmup updates, at least 1)
+        Row("qadam-fused-eager", "QAdam fused, eager (no clipping)", "qadam", fuse="eager"),
     )
 }
 

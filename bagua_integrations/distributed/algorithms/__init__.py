@@ -7,6 +7,8 @@ from .bytegrad import ByteGrad, MinMaxUInt8
 from .decentralized import Decentralized, shift_one_peer
 from .bmuf import BMUF
 from .low_precision_decentralized import LowPrecisionDecentralized
+from .qadam import QAdamAlgorithm
+from .async_model_average import AsyncModelAverage, AsyncModelAverageAlgorithm
 
 __all__ = [
     "Algorithm",
@@ -24,4 +26,7 @@ __all__ = [
     "shift_one_peer",
     "BMUF",
     "LowPrecisionDecentralized",
+    "QAdamAlgorithm",
+    "AsyncModelAverage",
+    "AsyncModelAverageAlgorithm",
 ]

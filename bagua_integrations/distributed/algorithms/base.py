@@ -15,7 +15,7 @@ a name with :func:`~bagua_integrations.distributed.register_algorithm`.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,10 @@ from ..._flat import Packs, pack_tensors
 from .. import comm
 from ..errors import AlgorithmConfigError
 
-__all__ = ["Algorithm", "GradientAlgorithm", "ModelAlgorithm"]
+__all__ = ["Algorithm", "GradientAlgorithm", "ModelAlgorithm", "Members"]
+
+#: a bucket's parameters, each with the view of the bucket's flat tensor that holds its gradient
+Members = Sequence[Tuple[torch.Tensor, torch.Tensor]]
 
 
 def _no_stages():
@@ -156,14 +159,30 @@ class GradientAlgorithm(Algorithm):
         """Average the 1-D ``flat`` in place over ``group`` (more than one rank), as staged collectives."""
         raise NotImplementedError
 
-    def stages(self, flat: torch.Tensor, group=None) -> comm.Stages:
-        """The whole communication for one bucket: flat, or through the node hierarchy."""
+    def stages(self, flat: torch.Tensor, group=None, average=None) -> comm.Stages:
+        """The whole communication for one bucket: flat, or through the node hierarchy.
+
+        ``average`` replaces :meth:`average` (an algorithm that averages some buckets another way).
+        """
         if not comm.is_distributed(group) or flat.numel() == 0:
             return _no_stages()
+        average = self.average if average is None else average
         nodes = self.nodes(group)
         if nodes is not None:
-            return comm.hierarchical(self.average, flat, nodes)
-        return self.average(flat, group)
+            return comm.hierarchical(average, flat, nodes)
+        return average(flat, group)
+
+    def bucket_stages(self, flat: torch.Tensor, members: Optional[Members], group=None) -> comm.Stages:
+        """The communication for one bucket whose ``flat`` holds the gradients of known parameters.
+
+        ``members`` pairs each parameter with the view of ``flat`` that holds its gradient
+        (None where the caller averages bare tensors). Every entry point hands its buckets
+        over here: the reducer, :meth:`allreduce_parameter_gradients` and the DDP hook. Most
+        algorithms only need the numbers (:meth:`stages`); one that reads per-parameter
+        optimizer state before communicating (``qadam`` turns gradients into momentum)
+        overrides this.
+        """
+        return self.stages(flat, group)
 
     # ------------------------------------------------------------------ framework entry points
     def allreduce_gradients(
@@ -179,6 +198,10 @@ class GradientAlgorithm(Algorithm):
         """
         if not comm.is_distributed(group):
             return
+        self._allreduce(tensors, {}, group, timeout)
+
+    def _allreduce(self, tensors, owners: Dict[int, torch.Tensor], group, timeout) -> None:
+        """:meth:`allreduce_gradients`, with ``owners`` mapping ``id(gradient)`` to its parameter."""
         timeout = self.timeout if timeout is None else timeout
         grads = [getattr(t, "grad", t) if not isinstance(t, torch.Tensor) else t for t in tensors]
         grads = [g for g in grads if g is not None and g.numel() > 0]
@@ -189,10 +212,12 @@ class GradientAlgorithm(Algorithm):
                     f"{tuple(g.shape)}; use a dense embedding (sparse=False) or average it yourself"
                 )
         buckets = pack_tensors(grads, self.message_size)
-        pendings = [
-            comm.Pending(self.stages(bucket.gather(), group), f"{self.name} gradient bucket {i + 1}/{len(buckets)}", timeout)
-            for i, bucket in enumerate(buckets)
-        ]
+        pendings = []
+        for i, bucket in enumerate(buckets):
+            flat = bucket.gather()
+            members = _members_of(bucket, flat, owners) if owners else None
+            pendings.append(comm.Pending(self.bucket_stages(flat, members, group),
+                                         f"{self.name} gradient bucket {i + 1}/{len(buckets)}", timeout))
         for bucket, pending in zip(buckets, pendings):
             pending.wait()
             bucket.scatter()
@@ -208,14 +233,15 @@ class GradientAlgorithm(Algorithm):
         """
         if not comm.is_distributed(group):
             return
-        grads = []
+        grads, owners = [], {}
         for p in params:
             if not p.requires_grad:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        self.allreduce_gradients(grads, group, timeout)
+            owners[id(p.grad)] = p
+        self._allreduce(grads, owners, group, timeout)
 
     def ddp_comm_hook(self, state, bucket):  # no annotations: DDP compares them with real types
         """A DDP communication hook: ``ddp_model.register_comm_hook(state, algorithm.ddp_comm_hook)``.
@@ -229,7 +255,7 @@ class GradientAlgorithm(Algorithm):
         """
         group = state if state is None or isinstance(state, dist.ProcessGroup) else getattr(state, "process_group", None)
         flat = bucket.buffer()
-        stages = self.stages(flat, group)
+        stages = self.bucket_stages(flat, list(zip(bucket.parameters(), bucket.gradients())), group)
         what = f"{self.name} DDP bucket {bucket.index()}"
         if not (self.single_collective and self.nodes(group) is None):
             comm.run(stages, what, self.timeout)
@@ -245,6 +271,21 @@ class GradientAlgorithm(Algorithm):
             return flat
 
         return work.get_future().then(finish)
+
+
+def _members_of(pack, flat: torch.Tensor, owners: Dict[int, torch.Tensor]) -> Optional[Members]:
+    """Each packed gradient's parameter with its range of ``flat`` (a view of the gradients, or the
+    pack's private copy of them); None when some gradient's parameter is unknown."""
+    members, offset = [], 0
+    base = None if pack.copied else flat.storage_offset()
+    for grad in pack.tensors:
+        param = owners.get(id(grad))
+        if param is None:
+            return None
+        start = offset if base is None else grad.storage_offset() - base
+        members.append((param, flat[start : start + grad.numel()].view(grad.shape)))
+        offset += grad.numel()
+    return members
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:

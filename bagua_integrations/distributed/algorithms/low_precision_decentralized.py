@@ -1,18 +1,24 @@
 """``low_precision_decentralized``: ring model averaging that sends uint8-quantized weight differences.
 
-Bagua's low-precision decentralized algorithm, in the form of Tang et al. 2018 ("Communication
-Compression for Decentralized Training", DCD-PSGD). The ranks form a ring. Each rank keeps three
-*public copies*: its own ``x̂`` (what its neighbours believe its weights are) and those of its left
-and right neighbours. After every ``communication_interval`` optimizer steps each rank
+Bagua's low-precision decentralized algorithm, in the order of CHOCO-SGD (Koloskova et al. 2019,
+"Decentralized Stochastic Optimization and Gossip Algorithms with Compressed Communication"; the
+compressed-difference scheme of Tang et al. 2018's DCD-PSGD). The ranks form a ring. Each rank keeps
+three *public copies*: its own ``x̂`` (what its neighbours believe its weights are) and those of its
+left and right neighbours. After every ``communication_interval`` optimizer steps each rank
 
-1. mixes its weights with its neighbours' public copies: ``m = (x + x̂_left + x̂_right) / 3``;
-2. quantizes the difference to its own public copy, ``q = Q(m - x̂)`` (min-max uint8 per chunk of
-   :data:`CHUNK` elements, as ``bytegrad``), sends ``q`` to both neighbours and receives theirs;
-3. applies every difference to the matching public copy (``x̂ += Q⁻¹(q)``, the same on the sender
-   and its two receivers, so public copies agree bit for bit across ranks) and sets ``x = m``.
+1. quantizes the difference between its weights (after the local step) and its public copy,
+   ``q = Q(x - x̂)`` (min-max uint8 per chunk of :data:`CHUNK` elements, as ``bytegrad``), sends
+   ``q`` to both neighbours and receives theirs;
+2. applies every difference to the matching public copy (``x̂ += Q⁻¹(q)``, the same on the sender
+   and its two receivers, so public copies agree bit for bit across ranks);
+3. moves its weights by the gossip step ``x += (x̂_left + x̂_right - 2 x̂) / 3`` (ring weights 1/3).
 
-On the wire: one byte per element plus 8 bytes per chunk, to each of two neighbours, instead of 4
-bytes per element. The public copies are per-rank state: checkpoints carry them.
+Without quantization the public copies equal the weights and step 3 is the ring average of the
+weights *after* the local steps, so every local update counts in full. (Mixing the current weights
+with the neighbours' copies from the previous round, the earlier form here, counted each rank's
+new update at 1/3: on 2 ranks training ran at a third of its learning rate and BERT stayed at
+chance.) On the wire: one byte per element plus 8 bytes per chunk, to each of two neighbours,
+instead of 4 bytes per element. The public copies are per-rank state: checkpoints carry them.
 """
 
 from __future__ import annotations
@@ -108,8 +114,7 @@ class LowPrecisionDecentralized(ModelAlgorithm):
 
     def _round(self, flat: torch.Tensor, copies: List[torch.Tensor], group):
         own, left_copy, right_copy = copies
-        mixed = torch.add(flat, left_copy).add_(right_copy).div_(3)
-        mine = self._encode(mixed - own)
+        mine = self._encode(flat - own)
         size, me = comm.world_size(group), comm.group_ranks(group).index(comm.rank())
         left, right = ring_neighbours(me, size)
         ranks = comm.group_ranks(group)
@@ -123,7 +128,7 @@ class LowPrecisionDecentralized(ModelAlgorithm):
         own.add_(self._decode(mine, own))
         left_copy.add_(self._decode(from_left, left_copy))
         right_copy.add_(self._decode(from_right, right_copy))
-        flat.copy_(mixed)
+        flat.add_(torch.add(left_copy, right_copy).sub_(own, alpha=2).div_(3))
 
     def update(self, step: int, group) -> bool:
         if not comm.is_distributed(group) or step % self.communication_interval:

@@ -30,6 +30,8 @@ class DistributedAlgorithm(str, enum.Enum):
     Decentralize = "decentralized"
     LowPrecisionDecentralize = "low_precision_decentralized"
     BMUF = "bmuf"
+    QAdam = "qadam"
+    AsyncModelAverage = "async"
 
 
 def register_algorithm(name: str, factory: Optional[Callable[..., Algorithm]] = None, *, overwrite: bool = False):

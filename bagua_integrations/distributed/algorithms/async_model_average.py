@@ -1,0 +1,276 @@
+"""``async``: ranks average their weights in the background and never wait for each other.
+
+Bagua's asynchronous model averaging, the answer to stragglers: each rank trains on its own
+and, every ``sync_interval_ms``, hands a snapshot of its weights to a background thread that
+averages it with the other ranks' over a process group of its own. A slow rank delays the
+averages, never the fast ranks' steps.
+
+**No data race, by construction.** The background thread owns two private buffers and never
+touches the model: the training thread takes the snapshot and applies the result, both right
+after an optimizer step (the algorithm's step hook), so weights only ever change between
+steps, never while a forward, backward or optimizer step reads them. A finished round is
+applied as a *correction*, ``w += average(snapshots) - own snapshot``, which keeps the local
+updates made while the round was in flight; the corrections of one round sum to zero over the
+ranks, so no update is lost or counted twice.
+
+**Stopping.** :meth:`AsyncModelAverage.abort` (around evaluation and checkpointing, and at the
+end of training) lets every rank finish the same number of rounds, then averages the weights
+once synchronously: every rank then holds the same weights. :meth:`AsyncModelAverage.resume`
+starts the background rounds again. A process that exits with rounds running aborts the same
+way at exit (``atexit``, waiting at most a minute for its peers), so gloo is never torn down
+under a waiting round. A dead or stuck peer ends a round with
+:class:`~bagua_integrations.distributed.CommunicationError` after ``timeout``; the training
+thread raises it at its next step, abort or resume, never hangs on it.
+
+The first ``warmup_steps`` steps average weights synchronously after every step (every rank
+starts from the same point, as Bagua's warm-up does with synchronous gradient averaging).
+Rounds are timing-dependent, so two runs (or a resumed and an uninterrupted run) differ;
+checkpoints keep every rank's own weights and optimizer state.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import queue
+import threading
+import time
+import warnings
+import weakref
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..errors import AlgorithmConfigError, CommunicationError, DistributedError
+from .base import ModelAlgorithm
+from .registry import register_algorithm
+
+__all__ = ["AsyncModelAverage", "AsyncModelAverageAlgorithm"]
+
+_STOP = object()
+EXIT_TIMEOUT_S = 60.0  # longest the exit-time abort waits for a peer
+
+
+class _Averager(threading.Thread):
+    """Averages the flat tensors it is handed over ``group``, one round at a time, in order."""
+
+    def __init__(self, group, timeout):
+        super().__init__(name="bagua-async-model-average", daemon=True)
+        self.group = group
+        self.timeout = timeout
+        self.requests: "queue.Queue" = queue.Queue()
+        self.results: "queue.Queue" = queue.Queue()
+
+    def run(self) -> None:
+        while True:
+            request = self.requests.get()
+            if request is _STOP:
+                return
+            index, flats = request
+            try:
+                pendings = [comm.Pending(comm.average(flat, self.group), f"async model average round {index} "
+                                         f"({i + 1}/{len(flats)})", self.timeout) for i, flat in enumerate(flats)]
+                for pending in pendings:
+                    pending.wait()
+            except BaseException as error:  # noqa: BLE001 - handed to the training thread
+                self.results.put((index, error))
+                return
+            self.results.put((index, None))
+
+
+@register_algorithm("async")
+class AsyncModelAverage(ModelAlgorithm):
+    """Asynchronous model averaging (Bagua's ``AsyncModelAverageAlgorithm``).
+
+    Args:
+        peer_selection_mode: ``"all"``, the only mode (as in Bagua): each round averages over
+            every rank.
+        sync_interval_ms: start a round at the first step at least this long after the last
+            round started (0: as soon as the previous one is done).
+        warmup_steps: steps averaged synchronously after every step before the rounds start.
+        timeout: how long a round (or the stop protocol) may wait for a peer before
+            :class:`CommunicationError`; default: the session's.
+    """
+
+    name = "async"
+    hierarchical_default = False
+
+    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0,
+                 timeout=None):
+        super().__init__(hierarchical=False, timeout=timeout)
+        if peer_selection_mode != "all":
+            raise AlgorithmConfigError(
+                f"async averages over every rank; peer_selection_mode must be 'all', got {peer_selection_mode!r}"
+            )
+        if sync_interval_ms < 0 or warmup_steps < 0:
+            raise AlgorithmConfigError(
+                f"sync_interval_ms and warmup_steps must be >= 0, got {sync_interval_ms!r} and {warmup_steps!r}"
+            )
+        self.peer_selection_mode = peer_selection_mode
+        self.sync_interval_ms = sync_interval_ms
+        self.warmup_steps = int(warmup_steps)
+        self.averaging_group = None
+        self.worker: Optional[_Averager] = None
+        self.aborted = False
+        self.rounds_started = self.rounds_applied = 0
+        self._in_flight = None  # (snapshot, buffer) of the round the worker is averaging
+        self._last_start = 0.0
+        self._exit_hook = None
+
+    def hyperparameters(self):
+        return dict(super().hyperparameters(), peer_selection_mode=self.peer_selection_mode,
+                    sync_interval_ms=self.sync_interval_ms, warmup_steps=self.warmup_steps)
+
+    def validate_hierarchy(self) -> None:
+        if self.hierarchical:
+            raise AlgorithmConfigError("async has no hierarchical form; pass hierarchical=False")
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_attach(self) -> None:
+        self._stop_worker()
+        self.aborted = False
+        self.rounds_started = self.rounds_applied = 0
+        self._in_flight = None
+        if comm.is_distributed(self.group):
+            # every rank attaches at the same point of its program: the one place to make a group
+            seconds = self.timeout.total_seconds() if self.timeout is not None else 1800.0
+            self.averaging_group = dist.new_group(comm.group_ranks(self.group), backend="gloo",
+                                                  timeout=datetime.timedelta(seconds=seconds))
+
+    def detach(self) -> None:
+        """Stop the background rounds (after finishing them on every rank, as :meth:`abort`)."""
+        if self.worker is not None and self.worker.is_alive():
+            self.abort()
+        self._stop_worker()
+        super().detach()
+
+    def _stop_worker(self) -> None:
+        if self.worker is not None:
+            self.worker.requests.put(_STOP)
+            self.worker.join(timeout=5.0)
+            self.worker = None
+        if self._exit_hook is not None:
+            atexit.unregister(self._exit_hook)
+            self._exit_hook = None
+
+    def _abort_at_exit(self) -> None:
+        """A process leaving with rounds running (a loop that never called abort, fairseq): end them
+        the same way on every rank, or the interpreter tears gloo down under a waiting round."""
+        if self.worker is None or not dist.is_initialized():
+            return
+        saved, self.timeout = self.timeout, datetime.timedelta(seconds=EXIT_TIMEOUT_S)
+        if saved is not None and saved < self.timeout:
+            self.timeout = saved
+        try:
+            self.abort()
+        except DistributedError as error:
+            warnings.warn(f"async model averaging could not finish its rounds at exit: {error}", stacklevel=1)
+        finally:
+            self.timeout = saved
+            self._stop_worker()
+
+    # ------------------------------------------------------------------ after every step
+    def update(self, step: int, group) -> bool:
+        if not comm.is_distributed(group):
+            return False
+        if step <= self.warmup_steps:
+            self._average_now(group, f"async warm-up average (step {step})")
+            return True
+        applied = self._collect(block=False)
+        if not self.aborted and self._in_flight is None and self._interval_passed():
+            self._start_round()
+        return applied
+
+    def _interval_passed(self) -> bool:
+        return (time.monotonic() - self._last_start) * 1000.0 >= self.sync_interval_ms
+
+    def _start_round(self) -> None:
+        """Snapshot the weights (training thread, between steps) and hand a copy to the worker."""
+        if self.worker is None:
+            self.worker = _Averager(self.averaging_group, self.timeout)
+            self.worker.start()
+            me = weakref.ref(self)
+
+            def abort_at_exit():
+                algorithm = me()
+                if algorithm is not None:
+                    algorithm._abort_at_exit()
+
+            self._exit_hook = abort_at_exit
+            atexit.register(abort_at_exit)
+        snapshot = [flat.detach().clone() for flat in self.pack.gather()]
+        buffers = [flat.clone() for flat in snapshot]
+        self.rounds_started += 1
+        self._in_flight = (snapshot, buffers)
+        self._last_start = time.monotonic()
+        self.worker.requests.put((self.rounds_started, buffers))
+
+    def _collect(self, block: bool) -> bool:
+        """Apply the finished round, if any (waiting for it when ``block``); True if one was applied."""
+        if self._in_flight is None:
+            return False
+        try:
+            index, error = self.worker.results.get(block=block, timeout=self._wait_seconds() if block else None)
+        except queue.Empty:
+            if block:
+                raise CommunicationError(
+                    f"async model average round {self.rounds_started} did not finish within {self._wait_seconds():.0f} s "
+                    "(a peer is stuck or gone); restart from a checkpoint"
+                ) from None
+            return False
+        if error is not None:
+            self._in_flight = None
+            if isinstance(error, CommunicationError):
+                raise error
+            raise CommunicationError(f"async model average round {index} failed: {error}") from error
+        snapshot, averaged = self._in_flight
+        self._in_flight = None
+        flats = self.pack.gather()
+        with torch.no_grad():
+            for flat, old, new in zip(flats, snapshot, averaged):
+                flat.add_(new.sub_(old))  # keep the local updates made while the round was in flight
+        self.pack.scatter()
+        self.rounds_applied += 1
+        return True
+
+    def _wait_seconds(self) -> float:
+        # the worker's own collectives time out first and report a CommunicationError
+        return (self.timeout.total_seconds() if self.timeout is not None else 1800.0) + 30.0
+
+    def _average_now(self, group, what: str) -> None:
+        flats = self.pack.gather()
+        self.run([comm.average(flat, group) for flat in flats], what)
+        self.pack.scatter()
+
+    # ------------------------------------------------------------------ around evaluation, checkpoints
+    def abort(self, model=None) -> None:
+        """Stop starting rounds; every rank finishes the same rounds, then all average once.
+
+        Call it on every rank (it communicates). Afterwards every rank holds the same weights;
+        :meth:`resume` starts the background rounds again. ``model`` is accepted for Bagua's
+        signature ``algorithm.abort(model)``.
+        """
+        self.aborted = True
+        if self.pack is None or not comm.is_distributed(self.group):
+            return
+        started = torch.tensor([self.rounds_started], dtype=torch.int64, device=comm.small_tensor_device(self.group))
+        comm.run(iter([comm.all_reduce(started, self.group, op=dist.ReduceOp.MAX)]), "async abort: rounds started",
+                 self.timeout)
+        target = int(started.item())
+        while True:
+            self._collect(block=True)
+            if self.rounds_started >= target:
+                break
+            self._start_round()  # a peer started one more round than this rank: join it
+        self._average_now(self.group, "async abort: final synchronous average")
+
+    def resume(self, model=None) -> None:
+        """Start the background rounds again after :meth:`abort` (on every rank)."""
+        self.aborted = False
+        self._last_start = 0.0
+
+
+#: Bagua's name.
+AsyncModelAverageAlgorithm = AsyncModelAverage

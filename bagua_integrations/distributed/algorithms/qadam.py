@@ -1,0 +1,159 @@
+"""``qadam``: full-precision gradient averaging during warm-up, then uint8-compressed *momentum*.
+
+The algorithm half of Bagua's QAdam; the optimizer half is
+:class:`bagua_integrations.optim.QAdam`, and the two only work as a pair::
+
+    optimizer = QAdam(model.parameters(), lr=1e-3, warmup_steps=100)
+    model, optimizer = bagua_init(model, optimizer, "qadam")
+
+For each bucket of gradients, right before it is communicated:
+
+* while its parameters are in warm-up, the gradients are averaged exactly
+  (``gradient_allreduce``), so the optimizer takes plain Adam steps on the averaged gradient;
+* once they are past it, every gradient ``g`` is replaced in place by the momentum it makes,
+  ``beta1 * m + (1 - beta1) * g`` (``m`` is the optimizer's ``exp_avg``, equal on every rank),
+  and the ranks average those with ``bytegrad``'s uint8 min-max codec (about 2 bytes on the
+  wire per element instead of 8), its levels shifted so that 0 stays exactly 0 (an element
+  with no gradient yet has ``m = v = 0``, and noise there would be divided by ``eps``). Every rank decodes the same bytes, so every rank's momentum
+  stays equal; the optimizer copies it into ``exp_avg`` (:attr:`QAdam.momentum_in_grad`).
+
+A bucket whose parameters are in different phases (one joined the optimizer late, or is not
+in it) is averaged exactly, with the momentum fold applied only to the parameters past warm-up.
+A parameter the optimizer never stepped (no rank has used it yet) does not count; if it is
+first used after warm-up, its own first steps see compressed gradients.
+The phase is read from each parameter's own step count in the optimizer state, which every
+rank has in common, so every rank makes the same choice without communicating.
+
+There is no error feedback: each bucket is quantized afresh (as in Bagua's QAdam); momentum
+is smooth enough that the rounding error (at most 1/510 of a chunk's range) does not
+accumulate into drift. The algorithm keeps no state of its own: the warm-up counters and both
+moments are the optimizer's, and go into checkpoints with it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...optim.qadam import QAdam
+from .. import comm
+from ..sync import check_same_on_all_ranks
+from ..errors import AlgorithmConfigError, JoinError
+from .base import GradientAlgorithm, Members
+from .bytegrad import ByteGrad
+from .registry import register_algorithm
+
+__all__ = ["QAdamAlgorithm"]
+
+
+def _find_qadam(optimizer) -> Optional[QAdam]:
+    """The QAdam inside ``optimizer``: itself, one of a list, or wrapped (``.optimizer``) by a framework."""
+    seen = set()
+    pending = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    while pending:
+        candidate = pending.pop(0)
+        if candidate is None or id(candidate) in seen:
+            continue
+        seen.add(id(candidate))
+        if isinstance(candidate, QAdam):
+            return candidate
+        pending.append(getattr(candidate, "optimizer", None))
+    return None
+
+
+@register_algorithm("qadam")
+class QAdamAlgorithm(GradientAlgorithm):
+    """Bagua's QAdam algorithm (``QAdamAlgorithm(optimizer, hierarchical=True)`` in Bagua).
+
+    Args:
+        optimizer: the :class:`~bagua_integrations.optim.QAdam` to pair with; by default the
+            one ``bagua_init`` (or the fairseq / HF integration) passes.
+        hierarchical: average in full precision inside each node and compress only between
+            node leaders. Default True (as in Bagua); flat on a single node.
+        message_size, timeout: as for :class:`GradientAllReduce`.
+    """
+
+    name = "qadam"
+    hierarchical_default = True
+    exact = False
+    single_collective = False
+    #: gradients must be unscaled when they are communicated: the momentum fold mixes them with
+    #: the optimizer's unscaled momentum (a loss scaler that unscales after averaging cannot work)
+    needs_unscaled_gradients = True
+
+    def __init__(self, optimizer: Optional[QAdam] = None, hierarchical=None, timeout=None, message_size: int = 10_000_000):
+        super().__init__(hierarchical, timeout, message_size)
+        self.optimizer = optimizer
+        self._group_of = {}
+        # bytegrad's uint8 average (inside our hierarchy), 0 kept exact: see MinMaxUInt8
+        self._compressed = ByteGrad(hierarchical=False)
+
+    def average(self, flat: torch.Tensor, group) -> comm.Stages:
+        """The exact average (warm-up, and buckets in mixed phases)."""
+        return comm.average(flat, group)
+
+    def attach(self, params, optimizer=None, group=None) -> "QAdamAlgorithm":
+        qadam = _find_qadam(optimizer) if optimizer is not None else None
+        if self.optimizer is not None and qadam is not None and qadam is not self.optimizer:
+            raise AlgorithmConfigError(
+                "qadam was built with one QAdam optimizer and attached with another; pass the optimizer "
+                "you train with to both (or to bagua_init only)"
+            )
+        qadam = qadam or self.optimizer
+        if qadam is None:
+            raise AlgorithmConfigError(
+                f"qadam communicates the momentum of a QAdam optimizer and got {type(optimizer).__name__}; "
+                "build the optimizer as bagua_integrations.optim.QAdam(params, lr=..., warmup_steps=...) "
+                "(Bagua's QAdamOptimizer), or pick another algorithm (e.g. bytegrad) for other optimizers"
+            )
+        super().attach(params, optimizer, group)
+        # Every rank must pick the same phase for every bucket, or one compresses while another
+        # does not and their collectives cross: check what the phase depends on, on every rank.
+        lines = [f"group {i}: warmup_steps={g['warmup_steps']} betas={tuple(g['betas'])} params={len(g['params'])}"
+                 for i, g in enumerate(qadam.param_groups)]
+        lines.append(f"steps taken {sorted({int(s['step']) for s in qadam.state.values() if 'step' in s})}")
+        check_same_on_all_ranks(lines, "QAdam optimizer (warm-up and steps taken)", group=group, timeout=self.timeout)
+        self.optimizer = qadam
+        qadam.momentum_in_grad = True
+        self._group_of = {id(p): g for g in qadam.param_groups for p in g["params"]}
+        return self
+
+    def detach(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.momentum_in_grad = False  # alone again, it folds its gradients itself
+
+    def validate_join(self, group=None) -> None:
+        raise JoinError(
+            "qadam has no uneven-input (Join) form: a rank out of data would miss the momentum update and "
+            "its optimizer state would leave the others'; give every rank the same number of batches"
+        )
+
+    # ------------------------------------------------------------------ one bucket
+    def _phase(self, param: torch.Tensor) -> Optional[bool]:
+        """True past warm-up, False in it (or not in the optimizer: plain gradients, averaged
+        exactly), None for a parameter the optimizer never stepped (no rank ever used it), which
+        does not decide how its bucket is averaged."""
+        group = self._group_of.get(id(param))
+        if group is None:
+            return False
+        state = self.optimizer.state.get(param)
+        return QAdam.past_warmup(group, state) if state else None
+
+    def bucket_stages(self, flat: torch.Tensor, members: Optional[Members], group=None) -> comm.Stages:
+        if self.optimizer is None:
+            raise AlgorithmConfigError("qadam is not attached to a QAdam optimizer; use bagua_init(model, QAdam(...), 'qadam')")
+        if members is None:
+            raise AlgorithmConfigError(
+                "qadam needs to know which parameter each gradient belongs to (it reads the optimizer's "
+                "momentum); average with allreduce_parameter_gradients(params), the reducer or the DDP hook, "
+                "not allreduce_gradients(tensors)"
+            )
+        phases = [self._phase(param) for param, _ in members]
+        for (param, grad), past in zip(members, phases):
+            if past:  # grad <- beta1 * m + (1 - beta1) * grad, the momentum this step makes
+                grad.lerp_(self.optimizer.state[param]["exp_avg"], self._group_of[id(param)]["betas"][0])
+        deciding = [past for past in phases if past is not None]
+        if deciding and all(deciding):
+            return self.stages(flat, group, average=self._compressed.average)
+        return self.stages(flat, group)

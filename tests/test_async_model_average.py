@@ -1,0 +1,170 @@
+"""Issue 14 item 2: ``async`` model averaging (background rounds over its own process group).
+
+Rounds are timing-dependent, so the reference is an invariant that holds for any timing: with a
+loss linear in the weights every rank's gradient is a constant of its data, and averaging rounds
+applied as corrections (``w += avg - snapshot``) never lose or double a local update. So after
+``abort()`` (which ends with a synchronous average) every rank must hold exactly
+``w0 - lr * mean over ranks of (sum of its gradients)``, computed here with plain tensors, even
+though rounds ran while training went on. Setting ``w = avg`` instead (losing the steps taken
+during a round) fails it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from _dist_utils import run_ranks, values
+
+LR, STEPS, DIM = 0.1, 30, 64
+
+
+def _data(rank, step):
+    return torch.randn(DIM, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+class Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(DIM))
+        self.b = torch.nn.Parameter(torch.randn(3, 5))
+
+    def forward(self, x):
+        return (self.w * x).sum() + self.b.sum() * x[0]
+
+
+def _train(rank, world, sleep_s=0.004, interval_ms=0, warmup=2, watch=False, fused=False):
+    from bagua_integrations import bagua_init, fuse_optimizer
+
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    if fused:
+        fuse_optimizer(optimizer)
+    wrapped, _ = bagua_init(model, optimizer, "async", sync_interval_ms=interval_ms, warmup_steps=warmup, timeout=30)
+    algorithm = wrapped.algorithm
+    changed_inside_a_step = []
+    spread_during = None
+    for step in range(STEPS):
+        x = _data(rank, step)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        wrapped(x).backward()
+        time.sleep(sleep_s * (1 + rank))  # rank 1 is the slow one: rounds overlap many steps
+        if watch:  # the weights must not change between forward and the optimizer step
+            changed_inside_a_step.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
+        optimizer.fuse_step() if fused else optimizer.step()
+    rounds_before_abort = algorithm.rounds_applied
+    local = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    algorithm.abort(wrapped)
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # aborted: a few more steps start no round
+    started = algorithm.rounds_started
+    for step in range(STEPS, STEPS + 3):
+        optimizer.zero_grad()
+        wrapped(_data(rank, step)).backward()
+        optimizer.step()
+    idle_after_abort = algorithm.rounds_started == started
+    algorithm.resume(wrapped)
+    for step in range(STEPS + 3, STEPS + 6):
+        optimizer.zero_grad()
+        wrapped(_data(rank, step)).backward()
+        optimizer.step()
+        time.sleep(0.01)
+    algorithm.abort(wrapped)
+    after_resume = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"final": final.clone(), "local": local, "rounds": rounds_before_abort, "idle_after_abort": idle_after_abort,
+            "rounds_after_resume": algorithm.rounds_started - started, "after_resume": after_resume.clone(),
+            "changed_inside_a_step": any(changed_inside_a_step)}
+
+
+def _expected(world, steps):
+    """w0 - lr * mean over ranks of the sum of their (constant) gradients."""
+    model = Linear()
+    total_w, total_b = torch.zeros(DIM), torch.zeros(3, 5)
+    for rank in range(world):
+        for step in range(steps):
+            x = _data(rank, step)
+            total_w += x
+            total_b += x[0]
+    return torch.cat([(model.w - LR * total_w / world).detach(), (model.b - LR * total_b / world).detach().reshape(-1)])
+
+
+@pytest.mark.parametrize("world,fused", [(2, False), (3, True)])
+def test_async_rounds_lose_no_update_and_abort_leaves_equal_weights(world, fused):
+    results = values(run_ranks(_train, world, _args(fused), timeout=180))
+    want = _expected(world, STEPS)
+    for result in results:
+        assert result["rounds"] >= 2, result["rounds"]  # rounds really ran during training
+        torch.testing.assert_close(result["final"], want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(result["final"], results[0]["final"])  # every rank the same after abort
+        assert result["idle_after_abort"] and result["rounds_after_resume"] >= 1
+        torch.testing.assert_close(result["after_resume"], _expected(world, STEPS + 6), rtol=1e-5, atol=1e-5)
+    # before the final average the ranks differed (training was not lock-stepped into equality)
+    assert not torch.equal(results[0]["local"], results[1]["local"])
+
+
+def _args(fused):
+    return (0.004, 0, 2, False, fused)
+
+
+def test_weights_never_change_inside_a_step():
+    """The background thread never writes the model: rounds are applied between steps only."""
+    for result in values(run_ranks(_train, 2, (0.004, 0, 0, True), timeout=180)):
+        assert result["rounds"] >= 2 and not result["changed_inside_a_step"]
+
+
+def _dead_peer(rank, world):
+    from bagua_integrations import bagua_init
+    from bagua_integrations.distributed import CommunicationError
+
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    wrapped, _ = bagua_init(model, optimizer, "async", sync_interval_ms=0, timeout=5)
+    start = time.monotonic()
+    try:
+        for step in range(400):
+            if rank == 1 and step == 5:
+                import os
+
+                os._exit(3)  # dies without a word
+            optimizer.zero_grad()
+            wrapped(_data(rank, step)).backward()
+            optimizer.step()
+            time.sleep(0.005)
+        wrapped.algorithm.abort()
+    except CommunicationError as error:
+        return {"error": "CommunicationError", "seconds": time.monotonic() - start, "message": str(error)}
+    return {"error": None}
+
+
+def test_a_dead_peer_ends_training_with_a_named_error_within_the_timeout():
+    results = run_ranks(_dead_peer, 2, timeout=120, pg_timeout=30)
+    survivor = results[0]
+    assert survivor.ok, survivor.describe()
+    assert survivor.value["error"] == "CommunicationError", survivor.value
+    assert survivor.value["seconds"] < 60, survivor.value
+
+
+def _mismatch(rank, world):
+    from bagua_integrations import bagua_init
+
+    model = Linear()
+    bagua_init(model, torch.optim.SGD(model.parameters(), lr=LR), "async", sync_interval_ms=100 * (rank + 1), timeout=30)
+
+
+def test_ranks_with_different_intervals_fail_by_name_on_every_rank():
+    for result in run_ranks(_mismatch, 2, timeout=120, pg_timeout=30):
+        assert result.error_type == "bagua_integrations.distributed.errors.ModelMismatchError", result.describe()
+        assert "sync_interval_ms" in result.error
+
+
+def test_bad_settings_are_refused():
+    from bagua_integrations.distributed import AlgorithmConfigError, get_algorithm
+
+    with pytest.raises(AlgorithmConfigError, match="peer_selection_mode"):
+        get_algorithm("async", peer_selection_mode="shift_one")
+    with pytest.raises(AlgorithmConfigError, match=">= 0"):
+        get_algorithm("AsyncModelAverage", sync_interval_ms=-1)
