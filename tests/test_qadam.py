@@ -357,3 +357,19 @@ def test_switching_between_qadam_async_and_allreduce():
     assert [flag for _, flag in results[0]["seen"]] == [False, True, False, True, False]
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         assert torch.equal(a, b)
+
+
+def test_hf_refuses_loss_scaling_and_clipping_under_qadam():
+    pytest.importorskip("transformers")
+    from hf_plugin._algorithms import check_gradient_handling
+    from hf_plugin.errors import AlgorithmSetupError
+
+    from bagua_integrations.distributed import get_algorithm
+
+    qadam = get_algorithm("qadam")
+    with pytest.raises(AlgorithmSetupError, match="bf16 or fp32"):
+        check_gradient_handling(qadam, loss_scaling=True, clipping=False)
+    with pytest.raises(AlgorithmSetupError, match="max_grad_norm=0"):
+        check_gradient_handling(qadam, loss_scaling=False, clipping=True)
+    check_gradient_handling(qadam, loss_scaling=False, clipping=False)
+    check_gradient_handling(get_algorithm("bytegrad"), loss_scaling=True, clipping=True)  # others do not care
