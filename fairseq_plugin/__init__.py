@@ -20,7 +20,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "fairseq_plugin needs fairseq; install it with `pip install bagua-integrations[fairseq]`"
     ) from exc
 
+from bagua_integrations.distributed import comm as _comm  # noqa: E402
+
 from .optimizer import BaguaFusedConfig, BaguaFusedOptimizer  # noqa: E402  (registers "bagua_fused")
 from .qadam import FairseqQAdam  # noqa: E402  (registers "qadam", the optimizer of --bagua-algorithm qadam)
+
+# fairseq-train never destroys its process groups; a gloo rank could then abort at exit (see there)
+_comm.destroy_process_groups_at_exit()
 
 __all__ = ["USER_DIR", "BaguaFusedConfig", "BaguaFusedOptimizer", "FairseqQAdam"]

@@ -204,11 +204,15 @@ def _command(data, save_dir, args, model, nproc, workdir: Path) -> List[str]:
     return cmd + [str(a) for a in args]
 
 
-# A torchrun rank of a 2-process gloo run once died with this C++ abort early in training, in a
-# clean-clone CI run under load; it did not reproduce in 4 direct reruns, nor in 57 launches since.
-# Until it is understood, such a run is relaunched once (only that exact signature; wrong numbers
-# still fail) -- loudly: every relaunch warns with RelaunchedRunWarning, which pytest lists in its
-# warnings summary with the failed attempt's stderr, so a flake is seen and counted, never hidden.
+# A torchrun rank of a 2-process gloo run sometimes dies with this C++ abort. Cause (gdb on a core
+# dump): after training, while Python finalizes, a gloo worker thread destroys a finished collective
+# that held the last reference to a Python-backed tensor; taking the GIL during finalization ends the
+# thread and the unwind hits a noexcept frame (std::terminate). Plain torch reproduces it (4 of 20
+# torchrun runs of an all_reduce loop that exits normally). bagua_integrations now destroys the process
+# groups at exit (comm.destroy_process_groups_at_exit: 0 of 20), but groups still referenced elsewhere
+# keep their threads, and an async run still hit it once in 15 launches under load. Such a run is
+# relaunched once (only that exact signature; wrong numbers still fail) -- loudly: every relaunch warns
+# with RelaunchedRunWarning, which pytest lists with the failed attempt's stderr, so it is counted.
 _GLOO_ABORT = "terminate called without an active exception"
 
 

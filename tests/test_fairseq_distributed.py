@@ -236,10 +236,9 @@ def test_qadam_refuses_gradient_clipping():
         _algorithms.check_setup("qadam", cfg, get_algorithm("qadam"))
 
 
-# slow: a 2-rank fairseq run with async died with the gloo abort ("terminate called without an active
-# exception", the one _fairseq_utils relaunches loudly) in 4 of 21 launches with 2 CPU hogs beside it,
-# right after the first forward, when fairseq builds the optimizer and async creates its process group;
-# the core's async tests (tests/test_async_model_average.py) never hit it. Cause not found yet.
+# slow: a 2-rank fairseq run with async dies more often than others with gloo's exit abort ("terminate
+# called without an active exception", see _fairseq_utils: a gloo thread finishing a collective while
+# Python finalizes): 4 of 21 launches with 2 CPU hogs beside it, 1 of 15 after the exit-time destroy.
 @pytest.mark.slow
 def test_async_runs_through_the_registry(corpus, tmp_path):
     """--bagua-algorithm async: background rounds during training, a clean exit (the thread and its

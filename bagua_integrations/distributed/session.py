@@ -89,6 +89,7 @@ class AlgorithmSession:
         self.autotuner = None
         self.autotune_stepper = None
         self.params = self._select_params(params, model)
+        comm.destroy_process_groups_at_exit()  # see there: gloo's exit race
         if check_consistency:
             self._check_consistency(model, extra_description)
         if state is not None:  # a resume: checked and kept by the algorithm until attach applies it
