@@ -130,6 +130,7 @@ class AsyncModelAverage(ModelAlgorithm):
     # ------------------------------------------------------------------ lifecycle
     def on_attach(self) -> None:
         self._stop_worker()
+        self._destroy_group()
         self.aborted = False
         self.rounds_started = self.rounds_applied = 0
         self._in_flight = None
@@ -144,7 +145,17 @@ class AsyncModelAverage(ModelAlgorithm):
         if self.worker is not None and self.worker.is_alive():
             self.abort()
         self._stop_worker()
+        self._destroy_group()
         super().detach()
+
+    def _destroy_group(self) -> None:
+        """Our own group goes with us: its gloo threads must not outlive Python (see comm's exit note)."""
+        group, self.averaging_group = self.averaging_group, None
+        if group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - already destroyed with the default group
+                pass
 
     def _stop_worker(self) -> None:
         if self.worker is not None:
@@ -170,6 +181,7 @@ class AsyncModelAverage(ModelAlgorithm):
         finally:
             self.timeout = saved
             self._stop_worker()
+            self._destroy_group()
 
     # ------------------------------------------------------------------ after every step
     def update(self, step: int, group) -> bool:
