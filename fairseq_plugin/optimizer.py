@@ -182,6 +182,7 @@ class BaguaFusedOptimizer(FairseqOptimizer):
             ) from None
         self._optimizer = torch_optimizer
         self._logged_first_step = False
+        self._deferred_reduce = False  # all_reduce_grads left the exchange to clip_grad_norm / step
         self.algorithm = _algorithms.attach(prepared, torch_optimizer, list(self.params))
         if getattr(cfg, "bagua_autotune", False):
             if self.algorithm is None:
@@ -366,7 +367,7 @@ class BaguaFusedOptimizer(FairseqOptimizer):
             self.algorithm.allreduce_gradients(_algorithms.gradient_params(self.algorithm, module))
 
     def _reduce_deferred(self):
-        if getattr(self, "_deferred_reduce", False):
+        if self._deferred_reduce:
             self._deferred_reduce = False
             self.algorithm.allreduce_gradients(list(self.params))
 

@@ -136,9 +136,8 @@ class AsyncModelAverage(ModelAlgorithm):
         self._in_flight = None
         if comm.is_distributed(self.group):
             # every rank attaches at the same point of its program: the one place to make a group
-            seconds = self.timeout.total_seconds() if self.timeout is not None else 1800.0
             self.averaging_group = dist.new_group(comm.group_ranks(self.group), backend="gloo",
-                                                  timeout=datetime.timedelta(seconds=seconds))
+                                                  timeout=datetime.timedelta(seconds=self._timeout_seconds()))
 
     def detach(self) -> None:
         """Stop the background rounds (after finishing them on every rank, as :meth:`abort`)."""
@@ -247,9 +246,13 @@ class AsyncModelAverage(ModelAlgorithm):
         self.rounds_applied += 1
         return True
 
+    def _timeout_seconds(self) -> float:
+        """The round timeout (its group's): the algorithm's, else torch's default of 30 minutes."""
+        return self.timeout.total_seconds() if self.timeout is not None else 1800.0
+
     def _wait_seconds(self) -> float:
         # the worker's own collectives time out first and report a CommunicationError
-        return (self.timeout.total_seconds() if self.timeout is not None else 1800.0) + 30.0
+        return self._timeout_seconds() + 30.0
 
     def _average_now(self, group, what: str) -> None:
         flats = self.pack.gather()

@@ -60,7 +60,7 @@ class LowPrecisionDecentralized(ModelAlgorithm):
         if not isinstance(communication_interval, int) or communication_interval < 1:
             raise AlgorithmConfigError(f"communication_interval must be an integer >= 1, got {communication_interval!r}")
         self.communication_interval = communication_interval
-        self.codec = MinMaxUInt8()
+        self.codec = MinMaxUInt8(block=CHUNK)
         self.public: List[List[torch.Tensor]] = []  # per flat: [own, left, right]
 
     def hyperparameters(self):
@@ -104,10 +104,9 @@ class LowPrecisionDecentralized(ModelAlgorithm):
 
     # ------------------------------------------------------------------ one round
     def _encode(self, diff: torch.Tensor) -> torch.Tensor:
-        rows = -(-diff.numel() // CHUNK)
-        padded = torch.zeros(rows * CHUNK, dtype=torch.float32, device=diff.device)
-        padded[: diff.numel()] = diff
-        return self.codec.encode(padded.view(rows, CHUNK))
+        padded = torch.zeros(1, self.codec.padded_length(diff.numel()), dtype=torch.float32, device=diff.device)
+        padded.view(-1)[: diff.numel()] = diff
+        return self.codec.encode(padded)
 
     def _decode(self, packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return self.codec.decode(packed).reshape(-1)[: like.numel()].to(like.dtype)
