@@ -9,6 +9,7 @@ Compile time is measured separately and kept out of the step times.
 
     python benchmarks/bench_optimizer_step.py --rows elementwise        # BertAdam unclipped, torch AdamW variants
     python benchmarks/bench_optimizer_step.py --rows unfusable          # Adafactor: eager vs compiled per parameter
+    python benchmarks/bench_optimizer_step.py --rows traffic            # memory traffic alone, per step pattern
     python benchmarks/bench_optimizer_step.py --rows LAMB,fused=True   # rows whose name contains one of these
 
 On CUDA each step is timed with CUDA events (median of --repeats, default 50), the host time of
@@ -45,6 +46,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CUDA_COPY_MIB = 512  # each of the two buffers of the device-to-device copy
 BASELINE = "BertAdam per-tensor (seed: max_grad_norm=1.0)"
 TORCH_FUSED = "torch AdamW fused=True"
+TRAFFIC = "traffic only"
 
 
 def bert_shapes(vocab=30522, hidden=768, layers=12, intermediate=3072, positions=512, labels=2):
@@ -115,17 +117,83 @@ def rows(shapes, device="cpu", dtype=torch.float32):
         (TORCH_FUSED, adamw(fused=True)),
         ("torch AdamW fused by bagua, compiled", adamw(fuse=True)),
         ("torch.compile(AdamW.step)", adamw(torch_compile=True)),
+        *traffic_rows(),
         ("Adafactor per-tensor", adafactor()),
         ("Adafactor fallback (per-tensor), compiled per parameter", adafactor(fuse=True)),
         ("torch.compile(Adafactor.step)", adafactor(torch_compile=True)),
     ]
 
 
+# Memory traffic alone, in the patterns of the steps above: compiled kernels over one flat buffer
+# per tensor kind that read and write what a step must, with (almost) no arithmetic. They show
+# what a step cannot beat on this machine however good its kernel, measured in the same run.
+TRAFFIC_PATTERNS = {
+    # AdamW: one pass, read p, g, m, v and write p, m, v
+    "AdamW, 1 pass": ["r4w3"],
+    # BertAdam with clipping: read g for its norm, then read g, m, v, p and write all four
+    "BertAdam clipped, 2 passes": ["r1", "r4w4"],
+    # LAMB at its minimum: read g, m, v, p and write m, v (norms on the way), then read m, v, p and write p
+    "LAMB minimum, 2 passes": ["r4w2", "r3w1"],
+    # LAMB as Inductor compiles it: read all four for the norms, then read all four and write p, m, v
+    "LAMB as compiled, 2 passes": ["r4", "r4w3"],
+}
+
+
+def _traffic_kernels():
+    def r1(p, g, m, v, c):
+        return g.sum()
+
+    def r4(p, g, m, v, c):
+        return (p + g + m + v).sum()
+
+    def r4w2(p, g, m, v, c):
+        m.add_((g + p) * c)
+        v.add_(g * c)
+
+    def r3w1(p, g, m, v, c):
+        p.add_((m + v) * c)
+
+    def r4w3(p, g, m, v, c):
+        m.add_(g * c)
+        v.add_(g * c)
+        p.add_((m + v) * c)
+
+    def r4w4(p, g, m, v, c):
+        g.mul_(1 + c)
+        r4w3(p, g, m, v, c)
+
+    return {f.__name__: torch.compile(f, fullgraph=True) for f in (r1, r4, r4w2, r3w1, r4w3, r4w4)}
+
+
+def traffic_rows():
+    """Rows that time memory traffic only (see ``TRAFFIC_PATTERNS``); they share one set of flat buffers
+    (p, g, m, v: what the kernels hold does not matter, only that they are read and written)."""
+    kernels, buffers = {}, []
+
+    def row(passes):
+        def build(params):
+            if not kernels:
+                kernels.update(_traffic_kernels())
+                p = torch.cat([q.detach().reshape(-1) for q in params])
+                g = torch.cat([q.grad.reshape(-1) for q in params])
+                c = torch.zeros((), dtype=p.dtype, device=p.device)  # an input: nothing to constant-fold
+                buffers.extend([p, g, torch.zeros_like(p), torch.zeros_like(p), c])
+
+            def step():
+                for name in passes:
+                    kernels[name](*buffers)
+            return step, None
+        return build
+
+    return [(f"{TRAFFIC}: {name} ({' + '.join(passes)})", row(passes)) for name, passes in TRAFFIC_PATTERNS.items()]
+
+
 # Row sets that fit in 24 GB on BERT-base shapes; each also gets the baseline and torch's fused AdamW.
 ROW_SETS = {
-    "seed": ["BertAdam fused (segmented)", "torch.compile(BertAdam.step)", "LAMB", "Lamb"],
+    "seed": ["BertAdam fused (segmented)", "torch.compile(BertAdam.step)", "LAMB", "Lamb", TRAFFIC],
     "elementwise": ["max_grad_norm=-1", "torch AdamW", "torch.compile(AdamW.step)"],
     "unfusable": ["Adafactor"],
+    "traffic": [TRAFFIC],
 }
 
 
@@ -257,8 +325,8 @@ def main(argv=None):
     parser.add_argument("--rows", default="seed",
                         help="'seed' (default: BertAdam with per-parameter clipping, LAMB, their torch.compile peers), "
                         "'elementwise' (BertAdam without clipping, torch AdamW variants), 'unfusable' (Adafactor: "
-                        "its exact step per parameter, eager and compiled), 'all' (needs ~28 GB on "
-                        "BERT-base), or comma-separated substrings of row names")
+                        "its exact step per parameter, eager and compiled), 'traffic' (the memory traffic of each "
+                        "step's pattern alone), 'all' (needs ~28 GB on BERT-base), or comma-separated substrings of row names")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -279,7 +347,9 @@ def main(argv=None):
     wanted = ROW_SETS.get(args.rows) or [w.strip() for w in args.rows.split(",") if w.strip()]
     chosen = [(name, build) for name, build in all_rows if args.rows == "all" or name in (BASELINE, TORCH_FUSED)
               or any(w in name for w in wanted)]
-    need = len(chosen) * 4 * numel * dtype.itemsize  # param, grad and two state tensors per row
+    # param, grad and two state tensors per row (the traffic-only rows share one set)
+    need = (sum(not name.startswith(TRAFFIC) for name, _ in chosen) + any(name.startswith(TRAFFIC) for name, _ in chosen)
+            ) * 4 * numel * dtype.itemsize
     have = 0 if cuda else _available_memory()
     if have and need > 0.85 * have:
         parser.error(f"{len(chosen)} rows need about {need / 2**30:.0f} GiB of {have / 2**30:.0f} GiB available "
@@ -316,7 +386,8 @@ def main(argv=None):
                 host[name].append(issued)
             else:
                 times[name].append(_timed(step))
-    bytes_per_param = next((b for b in (adam_bytes_per_param(opt) for *_, opt in built) if b), 7 * dtype.itemsize)
+    bytes_per_param = next((b for b in (adam_bytes_per_param(opt) for *_, opt in built if opt is not None) if b),
+                           7 * dtype.itemsize)
     if not cuda:
         bandwidth = copy_bandwidth(min(numel, 50_000_000))
     bound_ms = bytes_per_param * numel / bandwidth * 1e3
