@@ -185,6 +185,15 @@ def check_setup(name: str, root, algorithm=None) -> None:
                 f"--bagua-algorithm {name} communicates momentum in place of gradients after its warm-up, so "
                 f"--clip-norm would clip the momentum; train with --clip-norm 0"
             )
+    common = root.get("common")
+    half = [f"--{flag.replace('_', '-')}" for flag in ("fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16")
+            if common is not None and common.get(flag)]
+    if getattr(algorithm, "needs_unscaled_gradients", False) and half:
+        raise ValueError(
+            f"--bagua-algorithm {name} folds each gradient into the optimizer's momentum before communicating, "
+            f"and with {' '.join(half)} fairseq normalizes the gradients (sample size; loss scale under fp16) only "
+            f"after that, and decides overflow per rank: train in fp32 (drop {' '.join(half)})"
+        )
     if training is None:
         return
     world = training.get("distributed_world_size") or 1

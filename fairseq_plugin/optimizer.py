@@ -182,7 +182,8 @@ class BaguaFusedOptimizer(FairseqOptimizer):
             ) from None
         self._optimizer = torch_optimizer
         self._logged_first_step = False
-        self._deferred_reduce = False  # all_reduce_grads left the exchange to clip_grad_norm / step
+        # parameters whose exchange all_reduce_grads left to clip_grad_norm / step (None: none pending)
+        self._deferred_reduce: Optional[list] = None
         self.algorithm = _algorithms.attach(prepared, torch_optimizer, list(self.params))
         if getattr(cfg, "bagua_autotune", False):
             if self.algorithm is None:
@@ -356,20 +357,20 @@ class BaguaFusedOptimizer(FairseqOptimizer):
         fairseq normalizes gradients (``multiply_grads``: sample size, loss scale) only after
         this call. An algorithm that mixes gradients with optimizer state before communicating
         (qadam's momentum) needs them normalized, so its communication waits for the first of
-        ``clip_grad_norm`` / ``step``, on the optimizer's own (fp32) parameters.
+        ``clip_grad_norm`` / ``step`` (fp32 training only: fairseq's fp16/bf16/amp optimizers
+        normalize even later, and are refused for such algorithms in ``check_setup``).
         """
         if self.algorithm is None:
             self.base_optimizer.all_reduce_grads(module)
         elif getattr(self.algorithm.algorithm, "needs_unscaled_gradients", False):
-            _algorithms.gradient_params(self.algorithm, module)  # refuses a DDP-wrapped model
-            self._deferred_reduce = True
+            self._deferred_reduce = _algorithms.gradient_params(self.algorithm, module)  # MoE experts stay local
         else:  # a no-op for model algorithms, which keep gradients local
             self.algorithm.allreduce_gradients(_algorithms.gradient_params(self.algorithm, module))
 
     def _reduce_deferred(self):
-        if self._deferred_reduce:
-            self._deferred_reduce = False
-            self.algorithm.allreduce_gradients(list(self.params))
+        if self._deferred_reduce is not None:
+            params, self._deferred_reduce = self._deferred_reduce, None
+            self.algorithm.allreduce_gradients(params)
 
     # Flags: fused steps take no ``scale``/``groups``; the rest is whatever the base supports.
     @property

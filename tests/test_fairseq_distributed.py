@@ -236,6 +236,67 @@ def test_qadam_refuses_gradient_clipping():
         _algorithms.check_setup("qadam", cfg, get_algorithm("qadam"))
 
 
+@pytest.mark.parametrize("flag", ["fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16"])
+def test_qadam_refuses_half_precision(flag):
+    """fairseq's half-precision optimizers divide the gradients by the loss scale and sample size
+    only after clip_grad_norm (and decide overflow per rank): qadam would fold unnormalized
+    gradients into the momentum. fp32 is accepted; other algorithms keep half precision."""
+    from fairseq_plugin import _algorithms
+    from omegaconf import OmegaConf
+
+    from bagua_integrations.distributed import get_algorithm
+
+    def cfg(**common):
+        return OmegaConf.create({"common": common, "optimization": {"clip_norm": 0.0},
+                                 "distributed_training": {"distributed_world_size": 1}})
+
+    with pytest.raises(ValueError, match=f"drop --{flag.replace('_', '-')}"):
+        _algorithms.check_setup("qadam", cfg(**{flag: True}), get_algorithm("qadam"))
+    _algorithms.check_setup("qadam", cfg(fp16=False), get_algorithm("qadam"))
+    _algorithms.check_setup("bytegrad", cfg(**{flag: True}), get_algorithm("bytegrad"))
+
+
+def _expert_gradient_change(rank, world, algorithm):
+    """How much communication changed a MoE expert's gradient (fairseq marks them ``p.expert``)."""
+    import warnings
+
+    import torch
+    from fairseq import optim, options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    import fairseq_plugin  # noqa: F401 - registers bagua_fused
+
+    args = ["/nonexistent-data", "--task", "language_modeling", "--arch", "transformer_lm", "--cpu",
+            "--optimizer", "bagua_fused", "--bagua-base-optimizer", "qadam", "--bagua-algorithm", algorithm,
+            "--qadam-warmup-steps", "100", "--clip-norm", "0", "--ddp-backend", "legacy_ddp",
+            "--distributed-world-size", str(world), "--lr", "0.01"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), input_args=args))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model[2].weight.expert = True
+    optimizer = optim.build_optimizer(cfg.optimizer, list(model.parameters()))
+    g = torch.Generator().manual_seed(100 * rank)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+    optimizer.zero_grad()
+    optimizer.backward(((model(x) - y) ** 2).sum())
+    local, shared = model[2].weight.grad.clone(), model[0].weight.grad.clone()
+    optimizer.all_reduce_grads(model)
+    optimizer.multiply_grads(1.0)
+    optimizer.clip_grad_norm(0.0)
+    return (model[2].weight.grad - local).abs().max().item(), (model[0].weight.grad - shared).abs().max().item()
+
+
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "qadam"])
+def test_moe_experts_stay_local(algorithm):
+    """Expert gradients are not averaged, also when qadam defers the exchange to clip_grad_norm."""
+    from _dist_utils import run_ranks, values
+
+    for expert, shared in values(run_ranks(_expert_gradient_change, 2, timeout=180, args=(algorithm,))):
+        assert expert == 0.0 and shared > 0, (expert, shared)
+
+
 # slow: a 2-rank fairseq run with async dies more often than others with gloo's exit abort ("terminate
 # called without an active exception", see _fairseq_utils: a gloo thread finishing a collective while
 # Python finalizes): 4 of 21 launches with 2 CPU hogs beside it, 1 of 15 after the exit-time destroy of

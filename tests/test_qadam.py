@@ -9,6 +9,7 @@ and moments must match bit for bit on 2 and 3 ranks, and every rank must hold th
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -120,16 +121,30 @@ def _reference(rank, world, steps=STEPS):
     return [p.detach().clone() for p in params], [optimizer.state[p]["exp_avg"].clone() for p in used]
 
 
-def _ours(rank, world, fused=False, steps=STEPS, message_size=10_000_000):
+def _ours(rank, world, fused=False, steps=STEPS, message_size=10_000_000, setup="constructor"):
+    """``setup``: how the optimizer gets its groups: in the constructor; the second group added
+    after attaching (``late_group``); or a checkpoint with the real warm-up loaded after
+    attaching an optimizer built with another (``loaded``), as fairseq and Accelerate do."""
     from bagua_integrations import bagua_init, fuse_optimizer
     from bagua_integrations.distributed import collective_log
     from bagua_integrations.optim import QAdam
 
     model = _model()
-    optimizer = QAdam(_groups(model), lr=LR, warmup_steps=WARMUP, weight_decay=WD)
+    groups = _groups(model)
+    if setup == "late_group":
+        optimizer = QAdam(groups[:1], lr=LR, warmup_steps=WARMUP, weight_decay=WD)
+    elif setup == "loaded":
+        optimizer = QAdam(groups, lr=LR, warmup_steps=100 * WARMUP, weight_decay=WD)
+        checkpoint = QAdam(_groups(_model()), lr=LR, warmup_steps=WARMUP, weight_decay=WD).state_dict()
+    else:
+        optimizer = QAdam(groups, lr=LR, warmup_steps=WARMUP, weight_decay=WD)
     if fused:
         fuse_optimizer(optimizer)
     wrapped, optimizer = bagua_init(model, optimizer, "qadam", message_size=message_size)
+    if setup == "late_group":
+        optimizer.add_param_group(groups[1])
+    elif setup == "loaded":
+        optimizer.load_state_dict(checkpoint)
     wire = []
     for step in range(1, steps + 1):
         x, y = _batch(rank, step)
@@ -142,13 +157,15 @@ def _ours(rank, world, fused=False, steps=STEPS, message_size=10_000_000):
     return [p.detach().clone() for p in model.parameters()], [optimizer.state[p]["exp_avg"].clone() for p in used], wire
 
 
-def _both(rank, world):
-    return {"reference": _reference(rank, world), "ours": _ours(rank, world)}
+def _both(rank, world, setup="constructor"):
+    return {"reference": _reference(rank, world), "ours": _ours(rank, world, setup=setup)}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_qadam_equals_the_plain_torch_distributed_reference(world):
-    results = values(run_ranks(_both, world, timeout=180))
+@pytest.mark.parametrize("world,setup", [(2, "constructor"), (3, "constructor"), (2, "late_group"), (2, "loaded")])
+def test_qadam_equals_the_plain_torch_distributed_reference(world, setup):
+    """Also when the groups change after attaching: a group added later is folded like the
+    others, and a loaded checkpoint's warm-up is the one the algorithm follows."""
+    results = values(run_ranks(_both, world, timeout=180, args=(setup,)))
     for rank, result in enumerate(results):
         ref_params, ref_moments = result["reference"]
         params, moments, wire = result["ours"]
@@ -157,6 +174,8 @@ def test_qadam_equals_the_plain_torch_distributed_reference(world):
         # warm-up: the fp32 gradients (and the unused-parameter flags, one int32 per parameter);
         # after it: uint8 all-to-all + all-gather, only the flags as an allreduce
         flags, fp32 = 4 * 6, 4 * sum(p.numel() for p in _model().parameters())
+        if setup != "constructor":  # the changed groups are checked again on every rank (a small all_gather)
+            assert wire[0].pop("all_gather", 0) > 0, wire[0]
         assert all(set(w) == {"all_reduce"} and w["all_reduce"] == fp32 + flags for w in wire[:WARMUP]), wire
         blocks = -(-(-(-fp32 // 4 // world)) // 1024)  # per rank's chunk
         sent = world * blocks * (1024 + 8)  # one byte per element (padded to blocks), 8 per block
@@ -304,13 +323,92 @@ def test_qadam_algorithm_refuses_other_optimizers_and_join_and_bare_tensors():
     algorithm = QAdamAlgorithm()
     optimizer = QAdam(params)
     algorithm.attach(params, [optimizer])
-    assert optimizer.momentum_in_grad
     with pytest.raises(JoinError):
         algorithm.validate_join()
     with pytest.raises(AlgorithmConfigError, match="allreduce_parameter_gradients"):
         algorithm.bucket_stages(torch.zeros(3), None)
     algorithm.detach()
     assert not optimizer.momentum_in_grad  # alone again: it folds its gradients itself
+
+
+def test_qadam_in_one_process_folds_its_own_momentum():
+    """One process communicates nothing, so nothing folds the gradients: the optimizer must
+    (fairseq attaches the algorithm even then). A 1-rank DDP calls the hook: it must not fold."""
+    from bagua_integrations.distributed import QAdamAlgorithm
+    from bagua_integrations.optim import QAdam
+
+    def run(attach):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3))]
+        optimizer = QAdam(params, lr=0.1, warmup_steps=1)
+        if attach:
+            algorithm = QAdamAlgorithm().attach(params, optimizer)
+            assert not optimizer.momentum_in_grad
+        for step in range(4):
+            params[0].grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+            if attach:
+                list(algorithm.bucket_stages(params[0].grad.view(-1), [(params[0], params[0].grad)]))
+            optimizer.step()
+        return params[0].detach(), optimizer.state[params[0]]["exp_avg"]
+
+    for alone, attached in zip(run(False), run(True)):
+        assert torch.equal(alone, attached)
+
+
+def _accumulate(rank, world, exchange_every_backward):
+    from bagua_integrations import bagua_init
+    from bagua_integrations.distributed import AlgorithmConfigError
+    from bagua_integrations.optim import QAdam
+
+    model = _model()
+    wrapped, optimizer = bagua_init(model, QAdam(model.parameters(), lr=LR, warmup_steps=1), "qadam")
+    for step in range(1, 4):
+        for micro in range(2):
+            x, y = _batch(rank, 10 * step + micro)
+            context = wrapped.no_sync() if micro == 0 and not exchange_every_backward else contextlib.nullcontext()
+            with context:
+                try:
+                    torch.nn.functional.mse_loss(model[2](model[1](model[0](x))), y).backward()
+                except AlgorithmConfigError as error:
+                    return f"step {step}: {error}"
+        optimizer.step()
+        optimizer.zero_grad()
+    return "ok"
+
+
+def test_qadam_refuses_a_second_momentum_exchange_before_the_step():
+    """Accumulating gradients without no_sync() would fold the momentum once per backward."""
+    assert values(run_ranks(_accumulate, 2, timeout=120, args=(False,))) == ["ok", "ok"]
+    for message in values(run_ranks(_accumulate, 2, timeout=120, args=(True,))):
+        assert message.startswith("step 2: ") and "no_sync()" in message, message  # step 1 is warm-up
+
+
+def test_qadam_checks_every_group_it_is_given():
+    """A group's own settings (add_param_group, load_state_dict) are checked like the constructor's,
+    before anything is replaced; a torch Adam checkpoint loads, with QAdam's own keys defaulted."""
+    from bagua_integrations.optim import QAdam
+
+    p = torch.nn.Parameter(torch.ones(3))
+    for bad in (dict(warmup_steps=0), dict(warmup_steps=2.5), dict(warmup_steps=None), dict(betas=(0.9,)),
+                dict(betas=(1.0, 0.9)), dict(lr=-1.0), dict(eps="1e-8")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            QAdam([p], **bad)
+        optimizer = QAdam([p], warmup_steps=2)
+        with pytest.raises(ValueError, match="group 1"):
+            optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], **bad})
+        assert len(optimizer.param_groups) == 1
+    optimizer = QAdam([p], warmup_steps=2)
+    checkpoint = optimizer.state_dict()
+    checkpoint["param_groups"][0]["warmup_steps"] = 0
+    with pytest.raises(ValueError, match="group 0: invalid warmup_steps 0"):
+        optimizer.load_state_dict(checkpoint)
+    assert optimizer.param_groups[0]["warmup_steps"] == 2
+    adam = torch.optim.Adam([p])
+    p.grad = torch.ones(3)
+    adam.step()
+    optimizer.load_state_dict(adam.state_dict())
+    optimizer.step()
+    assert optimizer.param_groups[0]["warmup_steps"] == 2 and optimizer.state[p]["step"] == 2
 
 
 def _mismatched_warmup(rank, world):

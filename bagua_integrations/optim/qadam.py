@@ -55,20 +55,28 @@ class QAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, warmup_steps: int = 100, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = False):
-        if lr < 0:
-            raise ValueError(f"invalid learning rate {lr}; it must be >= 0")
-        if int(warmup_steps) != warmup_steps or warmup_steps < 1:
-            raise ValueError(
-                f"invalid warmup_steps {warmup_steps!r}; QAdam needs at least 1 step of plain Adam to build "
-                "the second moment it then freezes (a few hundred in practice)"
-            )
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}; each must be in [0, 1)")
-        if eps < 0 or weight_decay < 0:
-            raise ValueError(f"invalid eps {eps} or weight_decay {weight_decay}; both must be >= 0")
-        defaults = dict(lr=lr, warmup_steps=int(warmup_steps), betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        decoupled_weight_decay=bool(decoupled_weight_decay))
+        defaults = dict(lr=lr, warmup_steps=warmup_steps, betas=betas, eps=eps, weight_decay=weight_decay,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        _check_group(defaults, "QAdam")
+        defaults.update(warmup_steps=int(warmup_steps), betas=tuple(betas), decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Adds a group as torch does, and checks the group's own settings like the constructor's:
+        a group's ``warmup_steps=0`` would divide by a zero bias correction (NaN weights)."""
+        if isinstance(param_group, dict):  # anything else: torch's own error
+            _check_group({**self.defaults, **param_group}, f"QAdam parameter group {len(self.param_groups)}")
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict) -> None:
+        """Also what ``load_state_dict`` ends with: groups from a checkpoint of another optimizer
+        (torch Adam/AdamW) get QAdam's keys from the defaults, and every group is checked."""
+        defaults = state.get("defaults", getattr(self, "defaults", {}))  # unpickling: in ``state``
+        for i, group in enumerate(state.get("param_groups", ())):  # before anything is replaced
+            for key, value in defaults.items():
+                group.setdefault(key, value)
+            _check_group(group, f"QAdam parameter group {i}")
+        super().__setstate__(state)
 
     @staticmethod
     def past_warmup(group, state) -> bool:
@@ -117,6 +125,26 @@ class QAdam(torch.optim.Optimizer):
                     torch.maximum(denom, exp_avg.abs().div_(bias_correction1), out=denom)
                 p.addcdiv_(exp_avg, denom.add_(group["eps"]), value=-group["lr"] / bias_correction1)
         return loss
+
+
+def _check_group(group: dict, where: str) -> None:
+    """``ValueError`` naming the setting and its valid range, for values the step cannot use."""
+    warmup = group["warmup_steps"]
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or int(warmup) != warmup or warmup < 1:
+        raise ValueError(
+            f"{where}: invalid warmup_steps {warmup!r}; QAdam needs an integer of at least 1 step of plain Adam to "
+            "build the second moment it then freezes (a few hundred in practice)"
+        )
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(isinstance(b, (int, float)) for b in betas)
+            and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"{where}: invalid betas {betas!r}; pass two numbers, each in [0, 1)")
+    for key in ("lr", "eps", "weight_decay"):
+        value = group[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{where}: invalid {key} {value!r}; it must be a number >= 0")
 
 
 #: Bagua's name.

@@ -85,7 +85,9 @@ class QAdamAlgorithm(GradientAlgorithm):
     def __init__(self, optimizer: Optional[QAdam] = None, hierarchical=None, timeout=None, message_size: int = 10_000_000):
         super().__init__(hierarchical, timeout, message_size)
         self.optimizer = optimizer
-        self._group_of = {}
+        self._group_of = {}  # id(param) -> its param group, as the optimizer holds them now
+        self._groups_seen = None  # what _group_of was built from (see _groups)
+        self._folded = {}  # id(param) -> the optimizer step its gradient was last folded for
         # bytegrad's uint8 average (inside our hierarchy), 0 kept exact: see MinMaxUInt8
         self._compressed = ByteGrad(hierarchical=False)
 
@@ -108,16 +110,33 @@ class QAdamAlgorithm(GradientAlgorithm):
                 "(Bagua's QAdamOptimizer), or pick another algorithm (e.g. bytegrad) for other optimizers"
             )
         super().attach(params, optimizer, group)
-        # Every rank must pick the same phase for every bucket, or one compresses while another
-        # does not and their collectives cross: check what the phase depends on, on every rank.
-        lines = [f"group {i}: warmup_steps={g['warmup_steps']} betas={tuple(g['betas'])} params={len(g['params'])}"
-                 for i, g in enumerate(qadam.param_groups)]
-        lines.append(f"steps taken {sorted({int(s['step']) for s in qadam.state.values() if 'step' in s})}")
-        check_same_on_all_ranks(lines, "QAdam optimizer (warm-up and steps taken)", group=group, timeout=self.timeout)
         self.optimizer = qadam
-        qadam.momentum_in_grad = True
-        self._group_of = {id(p): g for g in qadam.param_groups for p in g["params"]}
+        self._groups_seen, self._folded = None, {}
+        self._groups(group)
+        # One process communicates no bucket, so no gradient is folded: the optimizer folds its own.
+        # The same flag decides whether bucket_stages folds (a 1-rank DDP still calls its hook).
+        qadam.momentum_in_grad = comm.is_distributed(group)
         return self
+
+    def _groups(self, group) -> dict:
+        """``id(param) -> param group`` from the optimizer's groups as they are now.
+
+        Read afresh whenever the groups change (``add_param_group``; ``load_state_dict``, which
+        replaces them, as fairseq and Accelerate do after the algorithm is attached): a group
+        added later must be folded too, and a checkpoint's warm-up is the one that counts. Each
+        time, the ranks check that they agree on what the phase depends on: if one compressed a
+        bucket while another did not, their collectives would cross.
+        """
+        groups = self.optimizer.param_groups
+        seen = tuple((id(g), id(g["params"]), len(g["params"])) for g in groups)
+        if seen != self._groups_seen:
+            lines = [f"group {i}: warmup_steps={g['warmup_steps']} betas={tuple(g['betas'])} params={len(g['params'])}"
+                     for i, g in enumerate(groups)]
+            lines.append(f"steps taken {sorted({int(s['step']) for s in self.optimizer.state.values() if 'step' in s})}")
+            check_same_on_all_ranks(lines, "QAdam optimizer (warm-up and steps taken)", group=group, timeout=self.timeout)
+            self._group_of = {id(p): g for g in groups for p in g["params"]}
+            self._groups_seen, self._folded = seen, {}  # a loaded checkpoint may repeat step counts
+        return self._group_of
 
     def detach(self) -> None:
         if self.optimizer is not None:
@@ -130,11 +149,11 @@ class QAdamAlgorithm(GradientAlgorithm):
         )
 
     # ------------------------------------------------------------------ one bucket
-    def _phase(self, param: torch.Tensor) -> Optional[bool]:
+    def _phase(self, param: torch.Tensor, groups: dict) -> Optional[bool]:
         """True past warm-up, False in it (or not in the optimizer: plain gradients, averaged
         exactly), None for a parameter the optimizer never stepped (no rank ever used it), which
         does not decide how its bucket is averaged."""
-        group = self._group_of.get(id(param))
+        group = groups.get(id(param))
         if group is None:
             return False
         state = self.optimizer.state.get(param)
@@ -149,10 +168,23 @@ class QAdamAlgorithm(GradientAlgorithm):
                 "momentum); average with allreduce_parameter_gradients(params), the reducer or the DDP hook, "
                 "not allreduce_gradients(tensors)"
             )
-        phases = [self._phase(param) for param, _ in members]
-        for (param, grad), past in zip(members, phases):
-            if past:  # grad <- beta1 * m + (1 - beta1) * grad, the momentum this step makes
-                grad.lerp_(self.optimizer.state[param]["exp_avg"], self._group_of[id(param)]["betas"][0])
+        if not self.optimizer.momentum_in_grad:  # one process: nothing to fold or average
+            return self.stages(flat, group)
+        groups = self._groups(group)
+        phases = [self._phase(param, groups) for param, _ in members]
+        folding = [(param, grad) for (param, grad), past in zip(members, phases) if past]
+        for param, _ in folding:  # before any gradient changes: refuse a second fold for the same step
+            step = self.optimizer.state[param]["step"]
+            if self._folded.get(id(param)) == step:
+                raise AlgorithmConfigError(
+                    "qadam exchanged a parameter's momentum twice for the same optimizer step (gradients "
+                    "accumulated over several backward passes, or a step skipped): it folds each gradient "
+                    "into the momentum once per step. Accumulate micro-batches under model.no_sync() and "
+                    "exchange only on the last one, then call optimizer.step()"
+                )
+        for param, grad in folding:  # grad <- beta1 * m + (1 - beta1) * grad, the momentum this step makes
+            self._folded[id(param)] = self.optimizer.state[param]["step"]
+            grad.lerp_(self.optimizer.state[param]["exp_avg"], groups[id(param)]["betas"][0])
         deciding = [past for past in phases if past is not None]
         if deciding and all(deciding):
             return self.stages(flat, group, average=self._compressed.average)
