@@ -110,6 +110,72 @@ def _args(fused):
     return (0.004, 0, 2, False, fused)
 
 
+def _event_mid_training(rank, world, event, at=15):
+    """Train with rounds running; at step ``at`` every rank takes a checkpoint, re-attaches the
+    algorithm, or loads the same weights into the model. Returns what the invariant needs."""
+    from bagua_integrations import bagua_init
+
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    wrapped, _ = bagua_init(model, optimizer, "async", sync_interval_ms=0, warmup_steps=2, timeout=30)
+    algorithm = wrapped.algorithm
+    saved = None
+    for step in range(STEPS):
+        if step == at:
+            assert algorithm.rounds_started >= 2  # rounds are running when it happens
+            if event == "checkpoint":
+                wrapped.algorithm_state_dict()
+                saved = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+            elif event == "reattach":
+                algorithm.reattach(list(model.parameters()), optimizer, algorithm.group)  # as after_step(params=new)
+            elif event == "load":
+                model.load_state_dict(Linear().state_dict())
+        optimizer.zero_grad()
+        wrapped(_data(rank, step)).backward()
+        time.sleep(0.004 * (1 + rank))
+        optimizer.step()
+    algorithm.abort(wrapped)
+    return {"saved": saved, "final": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()}
+
+
+def _expected_from(start, world, first, last):
+    """``start`` minus lr times the mean over ranks of their gradients of steps first..last-1."""
+    total_w, total_b = torch.zeros(DIM), torch.zeros(3, 5)
+    for rank in range(world):
+        for step in range(first, last):
+            x = _data(rank, step)
+            total_w += x
+            total_b += x[0]
+    return start - LR * torch.cat([total_w, total_b.reshape(-1)]) / world
+
+
+@pytest.mark.parametrize("event", ["checkpoint", "reattach", "load"])
+def test_rounds_in_flight_are_settled_when_every_rank_acts_together(event):
+    """A round's corrections sum to zero only once every rank has applied it, and the ranks are
+    usually a round apart: a checkpoint must hold no half-applied round (the mean of the saved
+    weights is exact), re-attaching must not drop one, loaded weights must not get a stale one."""
+    results = values(run_ranks(_event_mid_training, 2, (event,), timeout=180))
+    w0 = torch.cat([p.detach().reshape(-1) for p in Linear().parameters()])
+    if event == "load":
+        want = _expected_from(w0, 2, 15, STEPS)
+    else:
+        want = _expected(2, STEPS)
+    for result in results:
+        torch.testing.assert_close(result["final"], want, rtol=1e-5, atol=1e-5)
+    if event == "checkpoint":
+        mean = (results[0]["saved"] + results[1]["saved"]) / 2
+        torch.testing.assert_close(mean, _expected(2, 15), rtol=1e-5, atol=1e-5)
+
+
+def test_async_refuses_settings_of_the_wrong_type_by_name():
+    from bagua_integrations.distributed import AlgorithmConfigError, AsyncModelAverage
+
+    for bad in (dict(sync_interval_ms="500"), dict(sync_interval_ms=float("nan")), dict(sync_interval_ms=None),
+                dict(warmup_steps=2.5), dict(warmup_steps=float("inf")), dict(timeout="5"), dict(timeout=True)):
+        with pytest.raises(AlgorithmConfigError, match=next(iter(bad))):
+            AsyncModelAverage(**bad)
+
+
 def test_weights_never_change_inside_a_step():
     """The background thread never writes the model: rounds are applied between steps only."""
     for result in values(run_ranks(_train, 2, (0.004, 0, 0, True), timeout=180)):

@@ -84,7 +84,7 @@ def small_tensor_device(group=None) -> torch.device:
 def as_timedelta(timeout: Timeout) -> Optional[datetime.timedelta]:
     if timeout is None or isinstance(timeout, datetime.timedelta):
         return timeout
-    if timeout <= 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise AlgorithmConfigError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
     return datetime.timedelta(seconds=float(timeout))
 

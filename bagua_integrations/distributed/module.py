@@ -159,10 +159,12 @@ class BaguaModule(torch.nn.Module, Joinable):
 
         Save it with this rank's model and optimizer state: under algorithms whose replicas
         differ (``self.algorithm.replicas_differ``: decentralized, bmuf) **every rank** saves its
-        own file, e.g. ``torch.save({"model": wrapped.module.state_dict(), "optimizer":
-        optimizer.state_dict(), "algorithm": wrapped.algorithm_state_dict()}, f"ckpt.rank{rank}.pt")``.
+        own file, e.g. ``torch.save({"algorithm": wrapped.algorithm_state_dict(), "model":
+        wrapped.module.state_dict(), "optimizer": optimizer.state_dict()}, f"ckpt.rank{rank}.pt")``.
         Restore with :meth:`load_algorithm_state_dict` after ``bagua_init``, or pass it as
         ``bagua_init(..., algorithm_state=...)`` when the model and optimizer were loaded first.
+        Under ``async`` it settles the background rounds in flight (a collective: call it on
+        every rank) and can change the weights: take it *before* the model's state_dict.
         """
         if self.session is None:
             return {"name": self.algorithm.name, "num_updates": 0, "algorithm": {}, "rank": 0, "world_size": 1,

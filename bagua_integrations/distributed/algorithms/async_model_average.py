@@ -25,13 +25,16 @@ thread raises it at its next step, abort or resume, never hangs on it.
 The first ``warmup_steps`` steps average weights synchronously after every step (every rank
 starts from the same point, as Bagua's warm-up does with synchronous gradient averaging).
 Rounds are timing-dependent, so two runs (or a resumed and an uninterrupted run) differ;
-checkpoints keep every rank's own weights and optimizer state.
+checkpoints keep every rank's own weights and optimizer state. Every point where all ranks
+act together settles the rounds in flight first (a small collective): a checkpoint
+(``state_dict``) and new parameters apply them, weights loaded into the model drop them.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import math
 import queue
 import threading
 import time
@@ -42,6 +45,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ..._torch_compat import process_group_timeout
 from .. import comm
 from ..errors import AlgorithmConfigError, CommunicationError, DistributedError
 from .base import ModelAlgorithm
@@ -104,10 +108,12 @@ class AsyncModelAverage(ModelAlgorithm):
             raise AlgorithmConfigError(
                 f"async averages over every rank; peer_selection_mode must be 'all', got {peer_selection_mode!r}"
             )
-        if sync_interval_ms < 0 or warmup_steps < 0:
-            raise AlgorithmConfigError(
-                f"sync_interval_ms and warmup_steps must be >= 0, got {sync_interval_ms!r} and {warmup_steps!r}"
-            )
+        if (isinstance(sync_interval_ms, bool) or not isinstance(sync_interval_ms, (int, float))
+                or not math.isfinite(sync_interval_ms) or sync_interval_ms < 0):
+            raise AlgorithmConfigError(f"sync_interval_ms must be a finite number of milliseconds >= 0, got {sync_interval_ms!r}")
+        if (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float))
+                or not math.isfinite(warmup_steps) or warmup_steps < 0 or int(warmup_steps) != warmup_steps):
+            raise AlgorithmConfigError(f"warmup_steps must be a whole number of steps >= 0, got {warmup_steps!r}")
         self.peer_selection_mode = peer_selection_mode
         self.sync_interval_ms = sync_interval_ms
         self.warmup_steps = int(warmup_steps)
@@ -138,6 +144,13 @@ class AsyncModelAverage(ModelAlgorithm):
             # every rank attaches at the same point of its program: the one place to make a group
             self.averaging_group = dist.new_group(comm.group_ranks(self.group), backend="gloo",
                                                   timeout=datetime.timedelta(seconds=self._timeout_seconds()))
+
+    def reattach(self, params, optimizer, group) -> None:
+        """New parameters (``after_step(params=...)``, on every rank at the same step): finish and
+        apply the rounds in flight on the old ones first, or a round one rank has applied and
+        another has not would be lost, and the mean of the weights would move."""
+        self._settle(apply=True, what="async re-attach")
+        super().reattach(params, optimizer, group)
 
     def detach(self) -> None:
         """Stop the background rounds (after finishing them on every rank, as :meth:`abort`)."""
@@ -218,8 +231,9 @@ class AsyncModelAverage(ModelAlgorithm):
         self._last_start = time.monotonic()
         self.worker.requests.put((self.rounds_started, buffers))
 
-    def _collect(self, block: bool) -> bool:
-        """Apply the finished round, if any (waiting for it when ``block``); True if one was applied."""
+    def _collect(self, block: bool, apply: bool = True) -> bool:
+        """Apply the finished round, if any (waiting for it when ``block``; dropping it unless
+        ``apply``); True if one was applied."""
         if self._in_flight is None:
             return False
         try:
@@ -238,6 +252,8 @@ class AsyncModelAverage(ModelAlgorithm):
             raise CommunicationError(f"async model average round {index} failed: {error}") from error
         snapshot, averaged = self._in_flight
         self._in_flight = None
+        if not apply:
+            return False
         flats = self.pack.gather()
         with torch.no_grad():
             for flat, old, new in zip(flats, snapshot, averaged):
@@ -247,8 +263,14 @@ class AsyncModelAverage(ModelAlgorithm):
         return True
 
     def _timeout_seconds(self) -> float:
-        """The round timeout (its group's): the algorithm's, else torch's default of 30 minutes."""
-        return self.timeout.total_seconds() if self.timeout is not None else 1800.0
+        """The round timeout: the algorithm's, else the process group's (as every other collective
+        of the package), else torch's default of 30 minutes."""
+        if self.timeout is not None:
+            return self.timeout.total_seconds()
+        try:
+            return process_group_timeout(self.group).total_seconds()
+        except Exception:  # noqa: BLE001 - private torch API: unknown means torch's default
+            return 1800.0
 
     def _wait_seconds(self) -> float:
         # the worker's own collectives time out first and report a CommunicationError
@@ -270,16 +292,35 @@ class AsyncModelAverage(ModelAlgorithm):
         self.aborted = True
         if self.pack is None or not comm.is_distributed(self.group):
             return
+        self._settle(apply=True, what="async abort")
+        self._average_now(self.group, "async abort: final synchronous average")
+
+    def _settle(self, apply: bool, what: str) -> None:
+        """Finish, on every rank, every round any rank has started (a collective), applying their
+        corrections (``apply``) or dropping them. A round's corrections sum to zero over the ranks
+        only once every rank has applied it, and the ranks are usually one round apart."""
+        if self.pack is None or not comm.is_distributed(self.group):
+            return
         started = torch.tensor([self.rounds_started], dtype=torch.int64, device=comm.small_tensor_device(self.group))
-        comm.run(iter([comm.all_reduce(started, self.group, op=dist.ReduceOp.MAX)]), "async abort: rounds started",
+        comm.run(iter([comm.all_reduce(started, self.group, op=dist.ReduceOp.MAX)]), f"{what}: rounds started",
                  self.timeout)
         target = int(started.item())
         while True:
-            self._collect(block=True)
+            self._collect(block=True, apply=apply)
             if self.rounds_started >= target:
                 break
             self._start_round()  # a peer started one more round than this rank: join it
-        self._average_now(self.group, "async abort: final synchronous average")
+
+    def state_dict(self):
+        """Also settles the rounds in flight (a collective: every rank saves, as the integrations
+        do), so that a checkpoint holds no round that one rank has applied and another has not."""
+        self._settle(apply=True, what="async checkpoint")
+        return super().state_dict()
+
+    def weights_loaded(self) -> None:
+        """Weights replaced on every rank (a checkpoint, HF's best model): the rounds in flight
+        averaged the old ones, so they are finished and dropped, not added to the new weights."""
+        self._settle(apply=False, what="async weights loaded")
 
     def resume(self, model=None) -> None:
         """Start the background rounds again after :meth:`abort` (on every rank)."""
