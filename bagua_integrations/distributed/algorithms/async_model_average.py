@@ -95,7 +95,9 @@ class AsyncModelAverage(ModelAlgorithm):
             round started (0: as soon as the previous one is done).
         warmup_steps: steps averaged synchronously after every step before the rounds start.
         timeout: how long a round (or the stop protocol) may wait for a peer before
-            :class:`CommunicationError`; default: the session's.
+            :class:`CommunicationError`; default: the session's, else the process group's.
+            After a failed round, averaging is over: every later step, abort or checkpoint
+            raises :class:`CommunicationError` (restart from a checkpoint).
     """
 
     name = "async"
@@ -124,6 +126,7 @@ class AsyncModelAverage(ModelAlgorithm):
         self._in_flight = None  # (snapshot, buffer) of the round the worker is averaging
         self._last_start = 0.0
         self._exit_hook = None
+        self._failed: Optional[CommunicationError] = None  # a round failed: averaging is over
 
     def hyperparameters(self):
         return dict(super().hyperparameters(), peer_selection_mode=self.peer_selection_mode,
@@ -140,6 +143,7 @@ class AsyncModelAverage(ModelAlgorithm):
         self.aborted = False
         self.rounds_started = self.rounds_applied = 0
         self._in_flight = None
+        self._failed = None
         if comm.is_distributed(self.group):
             # every rank attaches at the same point of its program: the one place to make a group
             self.averaging_group = dist.new_group(comm.group_ranks(self.group), backend="gloo",
@@ -153,12 +157,15 @@ class AsyncModelAverage(ModelAlgorithm):
         super().reattach(params, optimizer, group)
 
     def detach(self) -> None:
-        """Stop the background rounds (after finishing them on every rank, as :meth:`abort`)."""
-        if self.worker is not None and self.worker.is_alive():
-            self.abort()
-        self._stop_worker()
-        self._destroy_group()
-        super().detach()
+        """Stop the background rounds (after finishing them on every rank, as :meth:`abort`;
+        not after a failed round, whose peers are gone)."""
+        try:
+            if self.worker is not None and self.worker.is_alive() and self._failed is None:
+                self.abort()
+        finally:
+            self._stop_worker()
+            self._destroy_group()
+            super().detach()
 
     def _destroy_group(self) -> None:
         """Our own group goes with us: its gloo threads must not outlive Python (see comm's exit note)."""
@@ -181,7 +188,9 @@ class AsyncModelAverage(ModelAlgorithm):
     def _abort_at_exit(self) -> None:
         """A process leaving with rounds running (a loop that never called abort, fairseq): end them
         the same way on every rank, or the interpreter tears gloo down under a waiting round."""
-        if self.worker is None or not dist.is_initialized():
+        if self.worker is None or not dist.is_initialized() or self._failed is not None:
+            self._stop_worker()
+            self._destroy_group()
             return
         saved, self.timeout = self.timeout, datetime.timedelta(seconds=EXIT_TIMEOUT_S)
         if saved is not None and saved < self.timeout:
@@ -199,6 +208,7 @@ class AsyncModelAverage(ModelAlgorithm):
     def update(self, step: int, group) -> bool:
         if not comm.is_distributed(group):
             return False
+        self._raise_if_failed()
         if step <= self.warmup_steps:
             self._average_now(group, f"async warm-up average (step {step})")
             return True
@@ -240,16 +250,20 @@ class AsyncModelAverage(ModelAlgorithm):
             index, error = self.worker.results.get(block=block, timeout=self._wait_seconds() if block else None)
         except queue.Empty:
             if block:
-                raise CommunicationError(
+                self._failed = CommunicationError(
                     f"async model average round {self.rounds_started} did not finish within {self._wait_seconds():.0f} s "
                     "(a peer is stuck or gone); restart from a checkpoint"
-                ) from None
+                )
+                raise self._failed from None
             return False
         if error is not None:
             self._in_flight = None
-            if isinstance(error, CommunicationError):
-                raise error
-            raise CommunicationError(f"async model average round {index} failed: {error}") from error
+            if not isinstance(error, CommunicationError):
+                wrapped = CommunicationError(f"async model average round {index} failed: {error}")
+                wrapped.__cause__, error = error, wrapped
+            self._failed = error  # the worker has ended: no later round can start or finish
+            self._stop_worker()
+            raise error
         snapshot, averaged = self._in_flight
         self._in_flight = None
         if not apply:
@@ -301,6 +315,7 @@ class AsyncModelAverage(ModelAlgorithm):
         only once every rank has applied it, and the ranks are usually one round apart."""
         if self.pack is None or not comm.is_distributed(self.group):
             return
+        self._raise_if_failed()
         started = torch.tensor([self.rounds_started], dtype=torch.int64, device=comm.small_tensor_device(self.group))
         comm.run(iter([comm.all_reduce(started, self.group, op=dist.ReduceOp.MAX)]), f"{what}: rounds started",
                  self.timeout)
@@ -310,6 +325,13 @@ class AsyncModelAverage(ModelAlgorithm):
             if self.rounds_started >= target:
                 break
             self._start_round()  # a peer started one more round than this rank: join it
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise CommunicationError(
+                f"async model averaging stopped after a failed round ({self._failed}); its peers may hold other "
+                "weights: restart every rank from a checkpoint"
+            ) from self._failed
 
     def state_dict(self):
         """Also settles the rounds in flight (a collective: every rank saves, as the integrations
