@@ -363,7 +363,9 @@ class BaguaFusedOptimizer(FairseqOptimizer):
         if self.algorithm is None:
             self.base_optimizer.all_reduce_grads(module)
         elif getattr(self.algorithm.algorithm, "needs_unscaled_gradients", False):
-            self._deferred_reduce = _algorithms.gradient_params(self.algorithm, module)  # MoE experts stay local
+            # fairseq calls this for the model and then for a criterion with parameters: both wait
+            pending = self._deferred_reduce or []
+            self._deferred_reduce = pending + _algorithms.gradient_params(self.algorithm, module)  # MoE experts stay local
         else:  # a no-op for model algorithms, which keep gradients local
             self.algorithm.allreduce_gradients(_algorithms.gradient_params(self.algorithm, module))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+import torch
 
 from _fairseq_utils import (
     PROBE_DIR,
@@ -276,25 +277,31 @@ def _expert_gradient_change(rank, world, algorithm):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     model[2].weight.expert = True
-    optimizer = optim.build_optimizer(cfg.optimizer, list(model.parameters()))
+    criterion = torch.nn.Linear(3, 1)  # a criterion with parameters, which fairseq reduces on its own
+    optimizer = optim.build_optimizer(cfg.optimizer, list(model.parameters()) + list(criterion.parameters()))
     g = torch.Generator().manual_seed(100 * rank)
-    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+    x = torch.randn(16, 6, generator=g)
     optimizer.zero_grad()
-    optimizer.backward(((model(x) - y) ** 2).sum())
+    optimizer.backward(criterion(model(x)).pow(2).sum())
     local, shared = model[2].weight.grad.clone(), model[0].weight.grad.clone()
-    optimizer.all_reduce_grads(model)
+    optimizer.all_reduce_grads(model)  # fairseq's Trainer.train_step: the model, then the criterion
+    optimizer.all_reduce_grads(criterion)
     optimizer.multiply_grads(1.0)
     optimizer.clip_grad_norm(0.0)
-    return (model[2].weight.grad - local).abs().max().item(), (model[0].weight.grad - shared).abs().max().item()
+    return ((model[2].weight.grad - local).abs().max().item(), (model[0].weight.grad - shared).abs().max().item(),
+            model[0].weight.grad.clone(), criterion.weight.grad.clone())
 
 
 @pytest.mark.parametrize("algorithm", ["gradient_allreduce", "qadam"])
-def test_moe_experts_stay_local(algorithm):
-    """Expert gradients are not averaged, also when qadam defers the exchange to clip_grad_norm."""
+def test_moe_experts_stay_local_and_the_rest_is_averaged(algorithm):
+    """Expert gradients are not averaged, the model's and the criterion's are, also when qadam
+    defers the exchange to clip_grad_norm (fairseq reduces the model and the criterion apart)."""
     from _dist_utils import run_ranks, values
 
-    for expert, shared in values(run_ranks(_expert_gradient_change, 2, timeout=180, args=(algorithm,))):
+    results = values(run_ranks(_expert_gradient_change, 2, timeout=180, args=(algorithm,)))
+    for expert, shared, _, _ in results:
         assert expert == 0.0 and shared > 0, (expert, shared)
+    assert torch.equal(results[0][2], results[1][2]) and torch.equal(results[0][3], results[1][3])
 
 
 # slow: a 2-rank fairseq run with async dies more often than others with gloo's exit abort ("terminate
