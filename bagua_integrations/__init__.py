@@ -7,6 +7,7 @@ from .errors import (
     FusionError,
     FusionFallbackWarning,
     LayoutChangedError,
+    SharedParameterError,
     NotAnOptimizerError,
     NotElementwiseError,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "AlreadyFusedError",
     "NotElementwiseError",
     "LayoutChangedError",
+    "SharedParameterError",
     "FusionFallbackWarning",
     "CompileFallbackWarning",
     "bagua_init",

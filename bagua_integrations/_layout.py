@@ -19,7 +19,7 @@ import torch
 from ._flat import FlatBuffer, Slot
 from ._probe import probe_elementwise, probe_segmented
 from ._segmented import MAX_RANK
-from .errors import FusionFallbackWarning, NotElementwiseError
+from .errors import FusionFallbackWarning, NotElementwiseError, SharedParameterError
 
 ON_UNSUPPORTED = ("raise", "fallback")
 COMPILE_MODES = (True, False, "auto")
@@ -53,7 +53,8 @@ def tied_parameters(params: List[torch.Tensor]) -> set:
         if p.device.type == "meta" or p.numel() == 0 or p.layout != torch.strided:
             continue
         first = p.storage_offset() * p.element_size()
-        last = first + max(0, max((size - 1) * stride for size, stride in zip(p.shape, p.stride()))) * p.element_size()
+        extent = max(((size - 1) * stride for size, stride in zip(p.shape, p.stride())), default=0)  # 0-D: one element
+        last = first + max(0, extent) * p.element_size()
         spans[(p.device, p.untyped_storage().data_ptr())].append((first, last + p.element_size(), id(p)))
     tied = set()
     for ranges in spans.values():
@@ -128,6 +129,7 @@ class FlatLayout:
         self._probe_cache: Dict[Tuple[str, torch.device], Optional[str]] = {}
         self._warned = set()
         try:
+            self._check_each_parameter_once()
             for index, group in enumerate(optimizer.param_groups):
                 self._build_group(index, group)
         except BaseException:
@@ -148,6 +150,22 @@ class FlatLayout:
         return [buffer for index in sorted(self.groups) for buffer in self.groups[index].buffers]
 
     # ------------------------------------------------------------------ building groups
+    def _check_each_parameter_once(self) -> None:
+        """torch.optim checks this only in the constructor and ``add_param_group``; a parameter
+        put into a second group by editing ``param_groups`` directly would be stepped twice
+        unfused and once fused."""
+        seen: Dict[int, Tuple[int, int]] = {}
+        for index, group in enumerate(self.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) in seen:
+                    first = seen[id(p)]
+                    raise SharedParameterError(
+                        f"{self._param_name(group, index, i, p)} is also param_groups[{first[0]}]['params'][{first[1]}]: "
+                        f"{type(self.optimizer).__name__} would step it once per listing, a fused step cannot; "
+                        "list each parameter in one group"
+                    )
+                seen[id(p)] = (index, i)
+
     def warn_once(self, key: str, message: str, stacklevel: int) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -207,8 +225,9 @@ class FlatLayout:
                 ranked = [p for p in members if 1 <= p.dim() <= MAX_RANK]
                 if len(ranked) < len(members):
                     rankless = [p for p in members if not 1 <= p.dim() <= MAX_RANK]
-                    for p in rankless:
-                        self.reasons[self._param_name(group, index, group["params"].index(p), p)] = (
+                    for p in rankless:  # (by identity: list.index compares tensors with ==)
+                        position = next(i for i, q in enumerate(group["params"]) if q is p)
+                        self.reasons[self._param_name(group, index, position, p)] = (
                             f"its step reduces per parameter and a {p.dim()}-D parameter is stepped on its own"
                         )
                     layout.per_tensor.extend(rankless)
@@ -268,6 +287,7 @@ class FlatLayout:
         Returns True when anything was rebuilt.
         """
         changed = False
+        self._check_each_parameter_once()
         for index, group in enumerate(self.optimizer.param_groups):
             layout = self.groups.get(index)
             if layout is None or layout.param_ids != tuple(id(p) for p in group["params"]):

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ._segmented import Segmentation, SegmentedMode, run_shape, segment_views, state_kind
 from ._torch_compat import tensor_version
@@ -23,10 +24,14 @@ from .errors import FusionError
 # Shapes mix 1-D and N-D tensors (to catch "no weight decay on biases"-style rules);
 # parameter and gradient scales span many decades (to catch norms, clipping and eps effects).
 # Grouped by rank (the segmented probe's runs) they give runs of distinct lengths and counts.
-_PROBE_SHAPES = [(4, 6), (9,), (2, 3, 5), (1,), (7, 3), (5,)]
-_PARAM_SCALES = [1e-3, 1.0, 1e2, 1e-1, 30.0, 3e-2]
-_GRAD_SCALES = [1e-4, 10.0, 1e-2, 1e3, 0.3, 2.0]
-_PADDING = 3  # elements of alignment padding after each parameter in the segmented probe's runs
+# 4-D tensors catch conv-weight rules (``p.dim() == 4``). The segmented probe's runs (one per
+# rank) must differ in segment count (3, 2, 1, 4) and length, as the runs of one segmented call do.
+_PROBE_SHAPES = [(4, 6), (9,), (2, 3, 5), (1,), (7, 3), (5,), (2, 1, 3, 2), (1, 2, 2, 1), (3, 1, 1, 2), (1, 1, 2, 2)]
+_PARAM_SCALES = [1e-3, 1.0, 1e2, 1e-1, 30.0, 3e-2, 3.0, 1e-2, 0.5, 10.0]
+_GRAD_SCALES = [1e-4, 10.0, 1e-2, 1e3, 0.3, 2.0, 5e-2, 1e2, 3e-3, 1.0]
+# Elements of alignment padding after each parameter in the probes' flat tensors and runs, as the
+# fused step lays them out: a step that reduces over a whole flat tensor (a mean, a count) sees them.
+_PADDING = 3
 _PROBE_STEPS = 3
 _RTOL = 1e-5
 
@@ -35,6 +40,27 @@ _RTOL = 1e-5
 # its hooks, and what fuse_optimizer / GradScaler attach to it.
 _NOT_COPIED = ("param_groups", "state", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "fuse_step",
                "step", "grad_scale", "found_inf")
+
+
+_T = torch.Tensor
+# Reading one of these of a flat tensor gives the whole buffer's size, not one parameter's.
+_SIZE_READS = {_T.numel, _T.nelement, _T.__len__, _T.size, _T.shape.__get__}
+
+
+class _SizeReads(TorchFunctionMode):
+    """Notes whether the step reads the size of a tensor with ``numel`` elements (the flat one,
+    its gradient or its state): a threshold such as ``p.numel() >= 4096`` takes the same branch
+    for every small probe tensor, and another one for a flat buffer of real parameters."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.read = numel, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SIZE_READS and args and isinstance(args[0], torch.Tensor):
+            with torch._C.DisableTorchFunction():
+                self.read = self.read or args[0].numel() == self.numel
+        return func(*args, **(kwargs or {}))
 
 
 class ProbeCopyError(Exception):
@@ -92,6 +118,23 @@ def _synthetic(device, dtype, generator):
     return params, grads
 
 
+def _padded_cat(tensors) -> torch.Tensor:
+    """The tensors one after another, each followed by ``_PADDING`` zeros (the elementwise probe's flat tensor)."""
+    pieces = []
+    for t in tensors:
+        pieces += [t.reshape(-1), t.new_zeros(_PADDING)]
+    return torch.cat(pieces)
+
+
+def _unpadded(flat: torch.Tensor, like) -> torch.Tensor:
+    """The parameters' elements of a :func:`_padded_cat` tensor, without the padding."""
+    pieces, cursor = [], 0
+    for t in like:
+        pieces.append(flat[cursor : cursor + t.numel()])
+        cursor += t.numel() + _PADDING
+    return torch.cat(pieces)
+
+
 def _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator) -> None:
     """Give the probe's copies state shaped like the real group's, when it already has some.
 
@@ -122,7 +165,7 @@ def _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator) -> 
                 pieces.append(piece.to(device=p.device, dtype=value.dtype))
             for state, piece in zip(per_param, pieces):
                 state[key] = piece
-            flat_state[key] = torch.cat([piece.reshape(-1) for piece in pieces])
+            flat_state[key] = _padded_cat(pieces)
         else:
             for state in per_param:
                 state[key] = copy.deepcopy(value)
@@ -152,7 +195,7 @@ def probe_elementwise(
     init, grads = _synthetic(device, dtype, generator)
 
     per_tensor = [torch.nn.Parameter(t.clone()) for t in init]
-    flat = torch.nn.Parameter(torch.cat([t.reshape(-1) for t in init]))
+    flat = torch.nn.Parameter(_padded_cat(init))
     try:
         opt_a = _probe_clone(optimizer, group, per_tensor)
         opt_b = _probe_clone(optimizer, group, [flat])
@@ -160,16 +203,20 @@ def probe_elementwise(
         return f"it cannot be copied to be probed on synthetic tensors ({exc})"
     _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator)
     step = type(optimizer).step
+    sizes = _SizeReads(flat.numel())
     with _untouched(optimizer):
         try:
             for step_grads in grads:
                 for p, g in zip(per_tensor, step_grads):
                     p.grad = g.clone()
-                flat.grad = torch.cat([g.reshape(-1) for g in step_grads])
+                flat.grad = _padded_cat(step_grads)
                 step(opt_a)
-                step(opt_b)
+                with sizes:
+                    step(opt_b)
         except Exception as exc:  # the probe reports; the caller decides whether to raise
             return f"its step raised {type(exc).__name__} on synthetic tensors ({exc})"
+    if sizes.read:
+        return "its step reads a parameter's size (numel, len, size or shape), which a flat tensor changes"
     try:
         return _compare_flat(opt_a, per_tensor, opt_b, flat)
     except Exception as exc:  # state the comparison cannot read (e.g. dicts of tensors)
@@ -194,7 +241,8 @@ def _untouched(optimizer):
 
 def _compare_flat(opt_a, per_tensor, opt_b, flat) -> Optional[str]:
     with torch.no_grad():
-        reason = _mismatch("the parameter update", torch.cat([p.reshape(-1) for p in per_tensor]), flat)
+        reason = _mismatch("the parameter update", torch.cat([p.reshape(-1) for p in per_tensor]),
+                           _unpadded(flat, per_tensor))
         if reason:
             return reason
         flat_state = opt_b.state.get(flat, {})
@@ -208,7 +256,7 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat) -> Optional[str]:
                     return f"its state '{key}' has shape {tuple(value.shape)}, not the parameter's shape"
                 if any(not isinstance(v, torch.Tensor) or v.shape != p.shape for v, p in zip(pieces, per_tensor)):
                     return f"its state '{key}' is not shaped like each parameter"
-                reason = _mismatch(f"state '{key}'", torch.cat([v.reshape(-1) for v in pieces]), value)
+                reason = _mismatch(f"state '{key}'", torch.cat([v.reshape(-1) for v in pieces]), _unpadded(value, pieces))
                 if reason:
                     return reason
             else:

@@ -73,7 +73,7 @@ def state_kind(value: Any, param_shape: torch.Size) -> str:
     equal across the run)."""
     if not isinstance(value, torch.Tensor):
         return "python"
-    if value.shape == param_shape and param_shape.numel() > 1:
+    if value.shape == param_shape:  # for a one-element parameter, elementwise is per parameter anyway
         return "flat"
     return "scalar" if value.numel() == 1 else "other"
 
@@ -422,6 +422,8 @@ class SegmentedMode(TorchFunctionMode):
         if spec is None or not tensors:
             raise NotSegmentable(f"{_name(func)} is not a reduction a compiled segmented step knows")
         name, ord = spec
+        if not all(t.is_floating_point() for t in tensors):  # bool/int sums promote to int64: eager knows how
+            raise NotSegmentable(f"{_name(func)} of a {tensors[0].dtype} tensor is left to the eager segmented step")
         shapes = {tuple(t.shape) for t in tensors}
         other = tensors[1] if len(tensors) > 1 else None
         if shapes == {seg.shape}:

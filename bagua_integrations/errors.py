@@ -34,6 +34,11 @@ class LayoutChangedError(FusionError):
     """A fused parameter changed device, dtype or shape after fusing."""
 
 
+class SharedParameterError(FusionError, ValueError):
+    """A parameter is listed in two param groups (or twice in one): the unfused optimizer steps it
+    once per listing, which one slot of a flat buffer cannot reproduce."""
+
+
 class FusionFallbackWarning(UserWarning):
     """Some parameters keep the exact unfused (per-tensor) update."""
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available
-from ._per_tensor import PerTensorSteps
+from ._per_tensor import Bookkeeping, PerTensorSteps
 from ._layout import FlatLayout, FusionConfig
 from ._planner import StepPlan, StepPlanner
 from ._probe import probe_per_tensor_calls
@@ -211,15 +211,25 @@ class Fusion:
         plan = self.planner.plan(self._run_cap())
         swapped = plan.swapped_state(optimizer.state)
         compiled = []
+        bookkeeping = []  # one fused step may call the optimizer's step several times (see below)
+
+        def call(group_params, run):
+            with swapped_params_and_state(optimizer, group_params, swapped):
+                # A group-level or optimizer-level counter (``group["step"] += 1``, as timm's and
+                # apex's LAMB keep it; ``self.state["k"]``) must advance once per step, not once
+                # per call: every call after the first starts from the bookkeeping as it was.
+                if bookkeeping:
+                    bookkeeping[0].restore()
+                else:
+                    bookkeeping.append(Bookkeeping(optimizer))
+                compiled.append(run())
+
         if self.per_tensor_steps is not None and not plan.runs and not plan.segmented_calls:
-            with swapped_params_and_state(optimizer, plan.group_params, swapped):
-                compiled.append(self._run_per_tensor_step(plan))
+            call(plan.group_params, lambda: self._run_per_tensor_step(plan))
         elif any(plan.group_params) or not plan.segmented_calls:
-            with swapped_params_and_state(optimizer, plan.group_params, swapped):
-                compiled.append(self._run_optimizer_step(plan))
+            call(plan.group_params, lambda: self._run_optimizer_step(plan))
         for params, segmentations in plan.segmented_calls:
-            with swapped_params_and_state(optimizer, params, swapped):
-                compiled.append(self._run_segmented_step(segmentations))
+            call(params, lambda segmentations=segmentations: self._run_segmented_step(segmentations))
         self.stats.last_step_compiled = all(compiled)
         self.planner.write_back(plan, swapped)
         stats = self.stats

@@ -847,3 +847,182 @@ def test_deliberately_wrong_segmentation_must_fail(monkeypatch, wrong):
     train(b, fused, data, step=fused.fuse_step)
     with pytest.raises(AssertionError):
         assert_same_params(a, b)
+
+
+# =========================================================================== found in review
+def _fused_vs_unfused(make, shapes, steps=6, **fuse_kwargs):
+    """Train the same seeded parameters with ``make(params)`` unfused and fused; return the
+    worst relative difference of the parameters and the fused optimizer."""
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in shapes]
+    plain_params = [torch.nn.Parameter(t.clone()) for t in init]
+    fused_params = [torch.nn.Parameter(t.clone()) for t in init]
+    plain = make(plain_params)
+    fuse_kwargs.setdefault("compile", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = fuse_optimizer(make(fused_params), **fuse_kwargs)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            for a, b in zip(plain_params, fused_params):
+                g = torch.randn(a.shape, generator=gen)
+                a.grad, b.grad = g.clone(), g.clone()
+            plain.step()
+            fused.fuse_step()
+    worst = max(((a - b).abs() / a.abs().clamp_min(1e-6)).max().item() for a, b in zip(plain_params, fused_params))
+    return worst, plain, fused
+
+
+class CountingLamb(torch.optim.Optimizer):
+    """LAMB with a group-level step (as timm's and apex's keep it) and an optimizer-level call
+    counter; groups with ``trust=False`` take plain Adam steps (elementwise)."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, trust=True):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust=trust))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.state["calls"] = self.state.get("calls", 0) + 1
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            step, (b1, b2) = group["step"], group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = (state["m"] / (1 - b1**step)) / ((state["v"] / (1 - b2**step)).sqrt() + group["eps"])
+                update.add_(p, alpha=group["weight_decay"])
+                if group["trust"]:
+                    w, u = p.norm(), update.norm()
+                    update = update * torch.where((w > 0) & (u > 0), w / u, 1.0)
+                p.sub_(update * group["lr"])
+
+
+def test_group_and_optimizer_level_counters_advance_once_per_fused_step():
+    """A fused step calls the optimizer's step once per segmented call (runs of equal length or
+    segment count) plus once for the elementwise groups: each call must start from the counters
+    as they were, or bias corrections run ahead (they did: group["step"] 7 after 4 steps)."""
+
+    def make(params):  # two 2-D and two 1-D segmented parameters, and an elementwise group
+        return CountingLamb([{"params": params[:4]}, {"params": params[4:], "trust": False}])
+
+    worst, plain, fused = _fused_vs_unfused(make, [(6, 5), (6,), (7, 7), (5,), (4, 3)], steps=5)
+    assert worst <= 1e-5, worst
+    assert [g["step"] for g in fused.param_groups] == [5, 5] and fused.state["calls"] == 5
+    assert fusion_report(fused).group_paths == ["segmented", "elementwise"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: Lamb(ps, lr=1e-2),
+    lambda ps: BertAdam(ps, lr=1e-2),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+], ids=["Lamb", "BertAdam", "AdamW"])
+def test_one_element_zero_dim_and_five_dim_parameters(make):
+    """nn.Linear(n, 1)'s bias (one element: its Adam state is shaped like it, not one value per
+    parameter), a learnable 0-D scalar (CLIP's logit_scale) and a 5-D weight after others:
+    exact, no bare errors (they were a mid-step FusionError, ValueError and RuntimeError)."""
+    worst, _, fused = _fused_vs_unfused(make, [(4, 3), (1,), (), (3,), (2, 1, 2, 1, 2)])
+    assert worst <= 1e-5, worst
+    assert fusion_report(fused).fused_params >= 3
+
+
+class PositiveCount(torch.optim.Optimizer):
+    """Momentum SGD scaled by each parameter's count of positive gradient entries (a bool sum)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["buf"] = torch.zeros_like(p)
+                state["buf"].mul_(0.9).add_(p.grad * (p.grad > 0).sum() * 0.01)
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+def test_compiled_segmented_count_of_a_bool_tensor_is_exact():
+    """sum() of a bool tensor is an int64 count; the compiled block reduction cast it back to
+    bool (1 instead of the count, 16x off) -- now such reductions stay eager."""
+    if not _compile.compiler_available():
+        pytest.skip("no working C++ compiler for torch.compile")
+    worst, _, fused = _fused_vs_unfused(lambda ps: PositiveCount(ps), [(6, 5), (6,), (7, 7), (3,)], compile=True)
+    assert worst <= 1e-5, worst
+    assert fusion_report(fused).group_paths == ["segmented"]
+
+
+def test_a_parameter_listed_in_two_groups_is_refused_by_name():
+    from bagua_integrations import SharedParameterError
+
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(6, 5), (6,), (4,)]]
+    opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    opt.param_groups[1]["params"].append(params[0])  # torch checks this only in add_param_group
+    with pytest.raises(SharedParameterError, match=r"param_groups\[0\]\['params'\]\[0\]"):
+        fuse_optimizer(opt, compile=False)
+    opt = fuse_optimizer(torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2), compile=False)
+    opt.param_groups[1]["params"].append(params[0])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(SharedParameterError):
+        opt.fuse_step()
+    assert all(torch.equal(a, p) for a, p in zip(before, params))  # refused before anything moved
+
+
+class _DirectionSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.1, wd=0.05):
+        super().__init__(params, dict(lr=lr, wd=wd))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(self.direction(p, p.grad, group), alpha=-group["lr"])
+
+
+class ConvOnlyDecay(_DirectionSGD):
+    def direction(self, p, g, group):  # weight decay on conv weights only
+        return g + group["wd"] * p if p.dim() == 4 else g
+
+
+class LargeOnlyDecay(_DirectionSGD):
+    def direction(self, p, g, group):  # a size threshold, as bitsandbytes keeps
+        return g + group["wd"] * p if p.numel() >= 4096 else g
+
+
+class GroupRMS(torch.optim.Optimizer):
+    """Normalizes by the RMS of all of the group's gradients: alignment padding changes a mean."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            rms = torch.cat([g.reshape(-1) for g in grads]).pow(2).mean().sqrt()
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / rms, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("cls,shapes", [
+    (ConvOnlyDecay, [(16, 8, 3, 3), (16,), (10, 16)]),
+    (LargeOnlyDecay, [(64, 128), (64,), (10, 64), (10,)]),
+    (GroupRMS, [(6, 5), (6,), (7, 7), (3,)]),
+], ids=["conv-only-decay", "size-threshold", "group-mean"])
+def test_the_probe_sees_rank_four_rules_size_thresholds_and_means_over_padding(cls, shapes):
+    """Each went through the elementwise path with wrong numbers (2-3.4x off): the probe had no
+    4-D tensor, tensors too small for the threshold, and no padding in its flat tensor."""
+    worst, _, fused = _fused_vs_unfused(lambda ps: cls(ps), shapes, on_unsupported="fallback")
+    assert worst <= 1e-5, worst
+    assert fusion_report(fused).group_paths != ["elementwise"]
