@@ -159,6 +159,20 @@ def check_gradient_handling(algorithm: Any, *, loss_scaling: bool, clipping: boo
         )
 
 
+def check_model_selection(algorithm: Any, *, load_best_model_at_end: bool) -> None:
+    """Refuse ``load_best_model_at_end`` under an algorithm whose ranks hold different weights
+    between synchronizations (decentralized, bmuf, async): Trainer would rank checkpoints by
+    rank 0's evaluation of its own replica and load rank 0's saved replica on every rank, which
+    is neither the weights that were evaluated on each rank nor their average."""
+    if load_best_model_at_end and getattr(algorithm, "weights_differ", False):
+        raise AlgorithmSetupError(
+            f"load_best_model_at_end=True under {algorithm.name}, whose ranks hold different weights between "
+            "synchronizations: the best checkpoint would be rank 0's replica, loaded on every rank. Set "
+            "load_best_model_at_end=False (evaluations during training measure rank 0's own replica), or use "
+            "a gradient algorithm (gradient_allreduce, bytegrad, qadam), whose ranks hold the same weights"
+        )
+
+
 def attach_algorithm(algorithm: Any, wrapped_model: Any, optimizer: Any = None) -> Optional[AlgorithmAttachment]:
     """Attach ``algorithm`` to the DDP module inside ``wrapped_model``; ``None`` in a single process."""
     ddp = find_ddp(wrapped_model)

@@ -21,7 +21,13 @@ from typing import Any, Dict, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ._algorithms import AlgorithmAttachment, attach_algorithm, check_gradient_handling, load_algorithm
+from ._algorithms import (
+    AlgorithmAttachment,
+    attach_algorithm,
+    check_gradient_handling,
+    check_model_selection,
+    load_algorithm,
+)
 from .errors import UnsupportedSetupError
 from .optimizer import fuse_for_frameworks, is_fused, require_step_fused, unwrap_optimizer
 
@@ -91,6 +97,7 @@ class BaguaAlgorithmCallback(TrainerCallback):
                 "communication. Train with plain DDP (torchrun without deepspeed/fsdp)."
             )
         check_gradient_handling(self.algorithm, loss_scaling=bool(args.fp16), clipping=(args.max_grad_norm or 0) > 0)
+        check_model_selection(self.algorithm, load_best_model_at_end=bool(args.load_best_model_at_end))
         wrapped = trainer.model_wrapped
         if self.attachment is not None and self.attachment.wraps(wrapped):
             if hasattr(self.attachment.algorithm, "resume"):

@@ -241,3 +241,36 @@ def test_unknown_algorithm_fails_at_construction(tmp_path):
             bagua_algorithm="no-such-algorithm",
         )
 
+
+def test_load_best_model_at_end_is_refused_where_ranks_hold_different_weights():
+    """Under decentralized, bmuf and async, Trainer would rank checkpoints by rank 0's evaluation
+    of its own replica and load rank 0's replica on every rank (found by review: the reloaded
+    model did not reproduce the recorded best metric)."""
+    from hf_plugin._algorithms import check_model_selection
+    from hf_plugin.errors import AlgorithmSetupError
+
+    from bagua_integrations.distributed import get_algorithm
+
+    differ = [get_algorithm("decentralized", communication_interval=3), get_algorithm("bmuf"), get_algorithm("async")]
+    for algorithm in differ:
+        with pytest.raises(AlgorithmSetupError, match="load_best_model_at_end=False"):
+            check_model_selection(algorithm, load_best_model_at_end=True)
+        check_model_selection(algorithm, load_best_model_at_end=False)
+    for name in ("gradient_allreduce", "bytegrad", "qadam", "decentralized"):  # decentralized "all", every step
+        check_model_selection(get_algorithm(name), load_best_model_at_end=True)
+
+
+def test_trainer_refuses_load_best_model_at_end_under_bmuf(tmp_path):
+    """The check above, as a user meets it: ``train()`` stops before the first step."""
+    pytest.importorskip("bagua_integrations.distributed.algorithms")
+    from hf_plugin.errors import AlgorithmSetupError
+
+    args = training_args(tmp_path, max_steps=2, eval_strategy="steps", save_strategy="steps", eval_steps=1,
+                         save_steps=1, load_best_model_at_end=True, max_grad_norm=0.0)
+    trainer = hf_plugin.BaguaTrainer(
+        model=tiny_bert(), args=args, train_dataset=make_dataset(16), eval_dataset=make_dataset(8),
+        bagua_algorithm="bmuf",
+    )
+    with pytest.raises(AlgorithmSetupError, match="load_best_model_at_end=False"):
+        trainer.train()
+    assert trainer.state.global_step == 0
