@@ -250,6 +250,23 @@ def sc_switch_algorithms(rank, world):
     return {"errors": errors, "spread": spread, "keys": sorted(wrapper.state_dict())}
 
 
+def sc_bmuf_warmup_keeps_the_schedulers_lr(rank, world):
+    """The warm-up sync resets the optimizer's state (as fairseq's BMUF), not its lr: StepLR builds
+    on the current lr and would lose its decay."""
+    model = MLP()
+    optimizer = _sgd(model, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    wrapped, optimizer = bagua_init(model, optimizer, "bmuf", warmup_iterations=3, global_sync_iter=2)
+    lrs = []
+    for x, y in local_batches(5, 8, rank):
+        optimizer.zero_grad()
+        loss_fn(wrapped, x, y).backward()
+        optimizer.step()
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return {"lrs": lrs}
+
+
 SCENARIOS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("sc_") and callable(fn)}
 
 
@@ -292,3 +309,8 @@ def test_switching_algorithms_mid_training(outcomes):
         assert max(spread[:3]) == 0 and max(spread[-3:]) == 0  # gradient_allreduce phases stay in lockstep
         assert max(spread[3:11]) > 1e-4  # the model-averaging phases let replicas drift between syncs
         assert result["keys"] == sorted(MLP().state_dict())
+
+
+def test_bmuf_warmup_sync_keeps_the_schedulers_lr(outcomes):
+    for result in scenario_value(outcomes, "bmuf_warmup_keeps_the_schedulers_lr"):
+        assert result["lrs"] == [0.1 * 0.5**k for k in range(1, 6)], result["lrs"]

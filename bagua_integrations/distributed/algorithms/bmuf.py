@@ -200,7 +200,13 @@ class BMUF(ModelAlgorithm):
         if self.average_sync:
             self._average_optimizer_state(group)
         else:
+            # fairseq resets the optimizer's *state* here; the groups' settings stay as they are now
+            # (fairseq sets its lr again every update; a torch scheduler such as StepLR, which
+            # builds on the current lr, would otherwise lose its progress)
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             self.optimizer.load_state_dict(copy.deepcopy(self.initial_optimizer_state))
+            for g, kept in zip(self.optimizer.param_groups, settings):
+                g.update(kept)
         self._reset_block()
 
     @torch.no_grad()
