@@ -155,7 +155,8 @@ def check_gradient_handling(algorithm: Any, *, loss_scaling: bool, clipping: boo
     if clipping:
         raise AlgorithmSetupError(
             f"{algorithm.name} communicates momentum in place of gradients after its warm-up, so gradient "
-            "clipping would clip the momentum: set TrainingArguments(max_grad_norm=0)"
+            "clipping would clip the momentum: set TrainingArguments(max_grad_norm=0), or remove "
+            "accelerator.clip_grad_norm_ / clip_grad_value_ from the loop"
         )
 
 

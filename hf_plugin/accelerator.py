@@ -109,11 +109,13 @@ def prepare(
     if not isinstance(prepared, tuple):
         prepared = (prepared,)
     if resolved is not None:
-        # clipping is the loop's own call here (accelerator.clip_grad_norm_): documented, not checked
+        # clipping is the loop's own call here: refused when it comes (_refuse_clipping)
         check_gradient_handling(resolved, loss_scaling=getattr(accelerator, "mixed_precision", "no") == "fp16",
                                 clipping=False)
         wrapped_model, wrapped_optimizer = prepared[0], prepared[1]
         attachment = attach_algorithm(resolved, wrapped_model, optimizer=wrapped_optimizer)
+        if attachment is not None and getattr(resolved, "needs_unscaled_gradients", False):
+            _refuse_clipping(accelerator, resolved)
         if attachment is not None and attachment.needs_step_callback:
             _run_after_step(wrapped_optimizer, attachment)
         wrapped_model.bagua_attachment = attachment
@@ -147,6 +149,20 @@ def _run_after_step(accelerated_optimizer, attachment) -> None:
         return result
 
     accelerated_optimizer.step = step
+
+
+def _refuse_clipping(accelerator, algorithm) -> None:
+    """Make this accelerator's ``clip_grad_norm_`` / ``clip_grad_value_`` raise: under an algorithm
+    that communicates momentum in place of gradients (qadam), the loop's clip would clip the
+    momentum. The Trainer refuses ``max_grad_norm > 0`` up front; a custom loop only shows its
+    clipping when it calls it, so the refusal comes then, on every rank alike (before any
+    communication)."""
+
+    def refuse(*args, **kwargs):
+        check_gradient_handling(algorithm, loss_scaling=False, clipping=True)
+
+    accelerator.clip_grad_norm_ = refuse
+    accelerator.clip_grad_value_ = refuse
 
 
 _HOOKED: "weakref.WeakSet" = weakref.WeakSet()

@@ -145,6 +145,27 @@ def run_accelerate_case(name, out_dir):
                       "after_step_calls": attachment.updates if attachment is not None else None})
 
 
+def run_accelerate_clip_case(name, out_dir):
+    """qadam under a custom Accelerate loop that clips: the first clip raises, on every rank."""
+    import hf_plugin
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from bagua_integrations.optim import QAdam
+
+    accelerator = Accelerator(cpu=True)
+    model = U.tiny_bert()
+    optimizer = QAdam(model.parameters(), lr=1e-3, warmup_steps=QADAM_WARMUP)
+    loader = DataLoader(U.make_dataset(16), batch_size=4, collate_fn=U.collate)
+    model, optimizer, loader = hf_plugin.prepare(accelerator, model, optimizer, loader, algorithm="qadam")
+    accelerator.backward(model(**next(iter(loader))).loss)
+    try:
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    except Exception as error:  # noqa: BLE001 - the test wants the error's name and message
+        return {"error": type(error).__name__, "message": str(error)[:500]}
+    return {"error": None}
+
+
 def run_mismatch_case(name, out_dir):
     import hf_plugin
 
@@ -173,6 +194,8 @@ def main():
         try:
             if kind == "trainer":
                 result = run_trainer_case(name, out_dir)
+            elif kind == "accelerate" and name == "qadam+clip":
+                result = run_accelerate_clip_case(name, out_dir)
             elif kind == "accelerate":
                 result = run_accelerate_case(name, out_dir)
             elif kind == "mismatch":

@@ -42,6 +42,7 @@ CASES = [
     "accelerate-bytegrad",
     "accelerate-decentralized",
     "accelerate-bmuf",
+    "accelerate-qadam+clip",
     "mismatch",  # last: it leaves a half-initialised Trainer behind
 ]
 
@@ -162,6 +163,13 @@ def test_accelerate_algorithms_keep_ranks_identical(results, name):
     assert got["rank_spread"] < 1e-6
     assert got["after_step_calls"] == (STEPS if "bytegrad" not in name else 0)
     assert_fused_to_the_end(got)
+
+
+def test_accelerate_qadam_refuses_the_loops_clipping(results):
+    """A custom loop's accelerator.clip_grad_norm_ under qadam would clip the momentum it exchanges."""
+    got = case_result(results, "accelerate-qadam+clip")
+    assert got["error"] == "AlgorithmSetupError", got
+    assert "clip_grad_norm_" in got["message"]
 
 
 def test_mismatched_algorithms_fail_by_name_not_hang(results):
