@@ -202,6 +202,10 @@ class FlatLayout:
             return "it is not a dense tensor"
         if p.device.type == "meta":
             return "it is on the meta device (materialize the model, e.g. model.to_empty(device=...), before fusing)"
+        if not p.is_contiguous() and self.config.do_flatten:
+            # a flat-buffer view is contiguous: channels_last or transposed strides would be lost,
+            # and with them the memory format (and rounding) of the model's own kernels
+            return "its memory is not contiguous (channels_last or a transposed view); flattening would change its strides"
         if id(p) in tied and self.config.do_flatten:
             return "it shares memory with another parameter (flattening would untie them)"
         return None

@@ -147,10 +147,28 @@ class StepPlanner:
         self._shaped: Dict[Tuple[int, int, int, str], torch.Tensor] = {}  # rank-shaped views, reused
         self._segmentations: Dict[Any, Segmentation] = {}  # one per run layout: compiled graphs key on it
         self._first_stepped: set = set()  # ids of FIRST_STEP slots that took their first step per tensor
+        self._state_seen: Optional[Tuple] = None  # _state_fingerprint() after the last write-back
 
     def invalidate(self) -> None:
         """Something other than a fused step may have changed scalar state: recompute tokens."""
         self.tokens_stale = True
+
+    def _state_fingerprint(self) -> Tuple:
+        """Which state objects each fused parameter holds, and the versions of its one-value
+        tensors: ``del optimizer.state[p]``, a replaced entry or an in-place edit of a step count
+        between steps changes it, and the runs are planned from the state as it is now."""
+        state = self.optimizer.state
+        out = []
+        for group in self.layout.groups.values():
+            for slot in group.slots():
+                entry = state.get(slot.param)
+                if entry is None:
+                    out.append(None)
+                    continue
+                out.append((id(entry), tuple(
+                    (key, id(value), value._version if isinstance(value, torch.Tensor) and value.numel() == 1 else None)
+                    for key, value in entry.items())))
+        return tuple(out)
 
     def _retoken(self) -> None:
         state = self.optimizer.state
@@ -171,6 +189,8 @@ class StepPlanner:
     def plan(self, run_cap: float) -> StepPlan:
         """This step's work; ``run_cap`` bounds a run's length in elements."""
         if self.layout.refresh():
+            self.tokens_stale = True
+        if self._state_seen is None or self._state_seen != self._state_fingerprint():
             self.tokens_stale = True
         if self.tokens_stale:
             self._retoken()
@@ -324,6 +344,7 @@ class StepPlanner:
                     self._write_scalar_state(run, key, value)
             for slot in run.slots:
                 slot.token = token
+        self._state_seen = self._state_fingerprint()
 
     def _write_per_segment_state(self, run: Run, key: str, value: torch.Tensor) -> None:
         state = self.optimizer.state

@@ -519,3 +519,63 @@ def test_step_hooks_run_once_per_fused_step_and_see_the_real_parameters():
     assert all(entry[1] == real for entry in seen)
     assert all(entry[2] for entry in seen if entry[0] == "post")
     assert fusion_report(opt).flat_runs == 1 and not opt._bagua_fusion.planner.tokens_stale
+
+
+# ---------------------------------------------------------------------- edits between steps (found in review)
+def _edited_run(make, edit, steps=5, at=2):
+    """Unfused and fused copies stepped side by side; ``edit(model, optimizer)`` runs on both before step ``at``."""
+    import copy
+
+    torch.manual_seed(0)
+    plain_model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    fused_model = copy.deepcopy(plain_model)
+    plain, fused = make(plain_model.parameters()), make(fused_model.parameters())
+    fuse_optimizer(fused, compile=False)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(5, 4, generator=gen) * 10
+        if step == at:
+            edit(plain_model, plain)
+            edit(fused_model, fused)
+        for model, opt in ((plain_model, plain), (fused_model, fused)):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            (opt.fuse_step if opt is fused else opt.step)()
+        for a, b in zip(plain_model.parameters(), fused_model.parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=f"step {step}")
+    return plain, fused, fused_model
+
+
+@pytest.mark.parametrize("which", [0, 2])  # the first parameter of the flat run, and one inside it
+def test_deleting_one_parameters_state_restarts_only_that_parameter(which):
+    def edit(model, opt):
+        del opt.state[model[which].weight]
+
+    plain, fused, _ = _edited_run(lambda ps: torch.optim.Adam(ps, lr=0.01), edit)
+    assert [s["step"].item() for s in fused.state.values()] != [5.0] * 4
+
+
+@pytest.mark.parametrize("how", ["in_place", "replaced"])
+def test_editing_one_parameters_step_count_between_steps_is_followed(how):
+    def edit(model, opt):
+        entry = opt.state[model[2].weight]
+        if how == "in_place":
+            entry["step"].zero_()
+        else:
+            entry["step"] = torch.tensor(0.0)
+
+    _edited_run(lambda ps: torch.optim.Adam(ps, lr=0.01), edit)
+
+
+def test_parameters_that_are_not_contiguous_keep_their_strides():
+    """A flat-buffer view is contiguous: channels_last and transposed parameters keep their exact step."""
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    linear = torch.nn.Linear(6, 4)
+    linear.weight = torch.nn.Parameter(torch.randn(6, 4).t())  # a transposed view
+    params = [conv.weight, conv.bias, linear.weight, linear.bias]
+    strides = [p.stride() for p in params]
+    opt = fuse_optimizer(torch.optim.AdamW(params, lr=0.01), compile=False)
+    assert [p.stride() for p in params] == strides
+    report = fusion_report(opt)
+    assert report.fused_params == 2 and report.unfused_params == 2, report
+    assert any("not contiguous" in why for why in report.reasons.values()), report.reasons
