@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from contextlib import contextmanager
 from typing import Callable, List, Optional, Sequence, Union
 
@@ -59,6 +60,10 @@ class StepHooks:
         self.handles = []
 
 
+# Bare models a live BaguaModule has hooks on (until its close()).
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
 class BaguaModule(torch.nn.Module, Joinable):
     """A model replicated over ranks and kept consistent by one distributed algorithm.
 
@@ -94,8 +99,23 @@ class BaguaModule(torch.nn.Module, Joinable):
         self._join_divide = False
         if isinstance(module, (BaguaModule, ModelSwitchWrapper)):
             raise AlgorithmConfigError(
-                "this model is already wrapped by bagua_init; pass wrapped.unwrap(), or use "
-                "ModelSwitchWrapper(...).switch_to(...) to change algorithms"
+                "this model is already wrapped by bagua_init; call wrapped.close() and pass wrapped.unwrap(), "
+                "or use ModelSwitchWrapper(...).switch_to(...) to change algorithms"
+            )
+        if module in _ATTACHED:
+            # The first wrapper's gradient hooks and step hooks are still installed: a second one
+            # would average gradients twice (or under a model algorithm, at all).
+            raise AlgorithmConfigError(
+                "this model is still attached to an earlier bagua_init wrapper; call that wrapper's close() "
+                "first, or use ModelSwitchWrapper(...).switch_to(...) to change algorithms"
+            )
+        on_meta = [name for name, t in list(module.named_parameters()) + list(module.named_buffers())
+                   if t.device.type == "meta"]
+        if on_meta:
+            raise AlgorithmConfigError(
+                f"{on_meta[0]} (and {len(on_meta) - 1} more) is on the meta device: bagua_init lays out its "
+                "communication buffers on the parameters' device. Materialize the model first "
+                "(model.to_empty(device=...) and initialize it), then call bagua_init"
             )
         self.module = module
         self.algorithm = algorithm
@@ -117,6 +137,7 @@ class BaguaModule(torch.nn.Module, Joinable):
             )
         if not self.distributed:
             return  # one process: the model runs plainly
+        self._src = comm.group_ranks(process_group)[0]  # broadcasts come from the group's first rank
         if algorithm.kind == "gradient":
             self.reducer = self._make_reducer()
         if (algorithm_state is not None or getattr(algorithm, "has_pending_state", False)) and algorithm.replicas_differ:
@@ -131,13 +152,16 @@ class BaguaModule(torch.nn.Module, Joinable):
                 model=module,
                 group=process_group,
                 timeout=self.timeout,
-                extra_description=[self.reducer.describe()] if self.reducer is not None else [],
-                before_attach=(lambda: broadcast_parameters(module, broadcast_buffers, group=process_group,
-                                                            timeout=self.timeout)) if sync_initial_weights else None,
+                extra_description=[f"broadcast_buffers={bool(broadcast_buffers)}"]
+                + ([self.reducer.describe()] if self.reducer is not None else []),
+                before_attach=(lambda: broadcast_parameters(module, broadcast_buffers, src=self._src,
+                                                            group=process_group, timeout=self.timeout))
+                if sync_initial_weights else None,
             )
         except BaseException:
             self.close()
             raise
+        _ATTACHED[module] = True
         for opt in self.optimizers:
             if self.reducer is not None:  # keeps a rank that skipped backward in step with the others
                 self._handles.append(opt.register_step_pre_hook(lambda *_: self.reducer.before_step()))
@@ -253,7 +277,7 @@ class BaguaModule(torch.nn.Module, Joinable):
         if self.distributed and torch.is_grad_enabled() and self.module.training:
             join = self._join_event(FORWARD) if self._join_config.enable and self._joining else None
             if self.broadcast_buffers:
-                src = join.src if join is not None else 0
+                src = join.src if join is not None else self._src
                 broadcast_buffers(self.module, src=src, group=self.process_group, timeout=self.timeout)
             if self.reducer is not None and self.reducer.enabled:
                 self.reducer.check_not_interrupted()
@@ -384,6 +408,7 @@ class BaguaModule(torch.nn.Module, Joinable):
 
     def close(self) -> None:
         """Remove every hook this wrapper installed (used when switching algorithms)."""
+        _ATTACHED.pop(self.module, None)
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -109,6 +109,10 @@ class AlgorithmSession:
 
     def _check_consistency(self, model, extra_description: Sequence[str]) -> None:
         lines = describe_model(model) if model is not None else describe_parameters(self.params)
+        if model is not None:
+            # the algorithm acts on self.params (the optimizer's): they must be the same on every rank
+            position = {id(p): i for i, p in enumerate(model.parameters())}
+            lines.append(f"acts on model parameters {_ranges([position.get(id(p), -1) for p in self.params])}")
         lines.append(f"algorithm {self.algorithm.signature()}")
         lines.append(f"optimizers {[type(o).__name__ + (' fused' if is_fused_optimizer(o) else '') for o in self.optimizers]}")
         if self.algorithm.hierarchical:
@@ -348,3 +352,15 @@ def _copy_params(saved: Sequence[torch.Tensor], params: List[torch.Tensor]) -> N
     with torch.no_grad():
         for p, value in zip(params, saved):
             p.copy_(value)
+
+
+def _ranges(indices: List[int]) -> str:
+    """``[0, 1, 2, 5, -1, -1]`` -> ``"0-2, 5, 2 outside the model"``: short enough to read in a mismatch report."""
+    runs: List[List[int]] = []
+    for i in indices:
+        if runs and ((i < 0 and runs[-1][0] < 0) or (i >= 0 and runs[-1][0] >= 0 and i == runs[-1][1] + 1)):
+            runs[-1][1] = i
+            runs[-1][2] += 1
+        else:
+            runs.append([i, i, 1])
+    return ", ".join(f"{n} outside the model" if a < 0 else (str(a) if a == b else f"{a}-{b}") for a, b, n in runs)
