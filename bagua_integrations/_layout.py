@@ -31,7 +31,7 @@ class FusionConfig:
 
     do_flatten: bool = True
     replace_step: bool = False
-    on_unsupported: str = "raise"
+    on_unsupported: str = "fallback"
     assume_elementwise: bool = False
     compile: Any = "auto"
 
@@ -66,6 +66,21 @@ def tied_parameters(params: List[torch.Tensor]) -> set:
             if end > reach:
                 reach, owner = end, ident
     return tied
+
+
+def wrapper_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why ``optimizer`` cannot have tensors swapped into its step (None: it can).
+
+    A fused step hands the optimizer's own ``step`` other parameters and another state dict.
+    Wrapper optimizers (Lookahead/Magma-style) that expose ``param_groups`` or ``state`` as
+    read-only properties of the optimizer they wrap cannot be given either."""
+    cls = type(optimizer)
+    for name in ("param_groups", "state"):
+        attr = getattr(cls, name, None)
+        if isinstance(attr, property) and attr.fset is None:
+            return (f"{cls.__name__} is a wrapper whose '{name}' is the optimizer it wraps (a read-only property); "
+                    "fuse the inner optimizer before wrapping it to fuse anything")
+    return None
 
 
 class GradHooks:
@@ -128,6 +143,8 @@ class FlatLayout:
         self.on_refresh: Optional[Callable[["FlatLayout"], None]] = None
         self._probe_cache: Dict[Tuple[str, torch.device], Optional[str]] = {}
         self._warned = set()
+        # the optimizer's step cannot be given other tensors: every group keeps its own step
+        self.wrapper_reason = wrapper_reason(optimizer)
         try:
             self._check_each_parameter_once()
             for index, group in enumerate(optimizer.param_groups):
@@ -180,6 +197,8 @@ class FlatLayout:
     def _probe(self, group, device) -> Tuple[Optional[str], bool]:
         """``(why not, segmented)``: why ``group``'s update cannot be fused on ``device`` (None: it
         can), and whether it takes the segmented path. Cached per group settings."""
+        if self.wrapper_reason is not None:
+            return self.wrapper_reason, False
         if self.config.assume_elementwise:
             return None, False
         key = (repr(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names"))), device)
@@ -250,11 +269,11 @@ class FlatLayout:
         cls = type(self.optimizer).__name__
         if self.config.on_unsupported == "raise":
             raise NotElementwiseError(
-                f"{cls} (param group {index}) cannot be fused exactly: {reason}. Flattening would "
-                f"change its math (per-tensor norms, clipping or shape-dependent updates). Use "
-                f"fuse_optimizer(opt, on_unsupported='fallback') to keep its exact unfused step, or "
-                f"fuse_optimizer(opt, assume_elementwise=True) to force fusion if you know the update "
-                f"is elementwise."
+                f"{cls} (param group {index}) cannot be fused exactly: {reason}. Fusing it would change "
+                f"its math, and on_unsupported='raise' asks for an error. Use "
+                f"fuse_optimizer(opt, on_unsupported='fallback') (the default) to keep this group's exact "
+                f"unfused step, or fuse_optimizer(opt, assume_elementwise=True) to force fusion if you "
+                f"know the update is elementwise."
             )
         # _keep_per_tensor <- _build_group <- FlatLayout <- Fusion <- fuse_optimizer <- user
         self.warn_once(f"group{index}", f"{cls} param group {index} keeps its unfused step: {reason}", stacklevel=6)

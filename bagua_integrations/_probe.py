@@ -10,6 +10,7 @@ and closures (LBFGS) all show up as a mismatch or an exception.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import OrderedDict, defaultdict
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
@@ -61,6 +62,20 @@ class _SizeReads(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 self.read = self.read or args[0].numel() == self.numel
         return func(*args, **(kwargs or {}))
+
+
+def _keeps_rng(probe):
+    """Run ``probe`` with the random number generators forked: an optimizer that draws random
+    numbers (Gravity's initial state, Kron's preconditioner updates) must see the same stream
+    after fusing as without it, and so must the model's dropout."""
+
+    @functools.wraps(probe)
+    def wrapped(optimizer, group, device):
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            return probe(optimizer, group, device)
+
+    return wrapped
 
 
 class ProbeCopyError(Exception):
@@ -116,6 +131,46 @@ def _synthetic(device, dtype, generator):
         for shape, scale in zip(_PROBE_SHAPES, _PARAM_SCALES)
     ]
     return params, grads
+
+
+class _Closure:
+    """The closure the probes pass to the step: a fixed loss, and a count of the calls.
+
+    A fused step calls the user's closure once and replays its loss to the optimizer's own
+    step (EmoNavi-style optimizers scale their update by it). A step that calls its closure
+    more than once re-evaluates the model between calls (SAM, line searches): replaying one loss
+    would change its math, so such a step is never fused."""
+
+    NEEDED = ("its step needs a closure (it evaluates the model itself, as L-BFGS, SAM and line searches "
+              "do), so it runs unfused with the closure")
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        return torch.tensor(0.75)
+
+    def step(self, step, optimizer, n: int) -> None:
+        """The probe's ``n``-th step: the first one without a closure (a step that cannot run
+        without one evaluates the model itself), the others with this one."""
+        if n > 0:
+            step(optimizer, self)
+            return
+        try:
+            step(optimizer)
+        except Exception as exc:
+            raise _NeedsClosure(f"{self.NEEDED} (without one it raised {type(exc).__name__}: {exc})") from exc
+
+    def reevaluates(self, steps: int) -> Optional[str]:
+        if self.calls > steps:
+            return ("its step calls the closure more than once per step (it re-evaluates the model), so it "
+                    "runs unfused with the closure")
+        return None
+
+
+class _NeedsClosure(Exception):
+    pass
 
 
 def _padded_cat(tensors) -> torch.Tensor:
@@ -186,6 +241,7 @@ def _mismatch(name: str, per_tensor: torch.Tensor, flat: torch.Tensor) -> Option
     return f"{name} differs between per-tensor and flat updates (relative error {worst:.2e})"
 
 
+@_keeps_rng
 def probe_elementwise(
     optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device
 ) -> Optional[str]:
@@ -204,17 +260,23 @@ def probe_elementwise(
     _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator)
     step = type(optimizer).step
     sizes = _SizeReads(flat.numel())
+    closure = _Closure()
     with _untouched(optimizer):
         try:
-            for step_grads in grads:
+            for n, step_grads in enumerate(grads):
                 for p, g in zip(per_tensor, step_grads):
                     p.grad = g.clone()
                 flat.grad = _padded_cat(step_grads)
-                step(opt_a)
+                closure.step(step, opt_a, n)
                 with sizes:
-                    step(opt_b)
+                    closure.step(step, opt_b, n)
+        except _NeedsClosure as exc:
+            return str(exc)
         except Exception as exc:  # the probe reports; the caller decides whether to raise
             return f"its step raised {type(exc).__name__} on synthetic tensors ({exc})"
+    reason = closure.reevaluates(2 * (_PROBE_STEPS - 1))
+    if reason:
+        return reason
     if sizes.read:
         return "its step reads a parameter's size (numel, len, size or shape), which a flat tensor changes"
     try:
@@ -267,6 +329,7 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat) -> Optional[str]:
     return None
 
 
+@_keeps_rng
 def probe_segmented(
     optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device
 ) -> Optional[str]:
@@ -303,16 +366,17 @@ def probe_segmented(
     except ProbeCopyError as exc:
         return f"it cannot be copied to be probed on synthetic tensors ({exc})"
     step = type(optimizer).step
+    closure = _Closure()
     with _untouched(optimizer):
         try:
             for n, step_grads in enumerate(grads):
                 for p, g in zip(per_tensor, step_grads):
                     p.grad = g.clone()
-                step(opt_a)
+                closure.step(step, opt_a, n)
                 if n == 0:
                     for v, g in zip(views, step_grads):
                         v.grad = g.clone()
-                    step(opt_b)
+                    closure.step(step, opt_b, n)
                     reason = _pack_runs(opt_b, views, runs)
                     if reason:
                         return reason
@@ -323,9 +387,14 @@ def probe_segmented(
                         flat_grad[start:end] = step_grads[i].reshape(-1)
                     proxy.grad = flat_grad.view(seg.shape)
                 with SegmentedMode([seg for _, seg, _ in runs]):
-                    step(opt_b)
+                    closure.step(step, opt_b, n)
+        except _NeedsClosure as exc:
+            return str(exc)
         except Exception as exc:  # NotSegmentable, or anything else: the probe reports
             return f"its step raised {type(exc).__name__} on segmented synthetic tensors ({exc})"
+    reason = closure.reevaluates(2 * (_PROBE_STEPS - 1))
+    if reason:
+        return reason
     try:
         return _compare_segmented(opt_a, per_tensor, opt_b, runs)
     except Exception as exc:
@@ -396,6 +465,7 @@ def _compare_segmented(opt_a, per_tensor, opt_b, runs) -> Optional[str]:
     return None
 
 
+@_keeps_rng
 def probe_per_tensor_calls(
     optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device
 ) -> Optional[str]:

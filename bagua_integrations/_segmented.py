@@ -304,6 +304,26 @@ def _map(fn, obj):
     return fn(obj)
 
 
+class RunValues(list):
+    """The result of a ``_foreach_*`` call on segmented runs: one entry per run of its list.
+    ``torch.stack`` of it is a list over runs (:meth:`SegmentedMode._stack_runs`), told apart
+    from a stack of one parameter's own values (``torch.stack([w_norm, g_norm])``)."""
+
+
+class _Stacked:
+    """A list over runs held as one tensor: each run's segment scalar in a row, padded with 1."""
+
+    def __init__(self, segs: List[Segmentation], shape: Tuple[int, ...]):
+        self.segs, self.shape = segs, shape
+
+    def rows(self, t: torch.Tensor) -> List[torch.Tensor]:
+        flat = t.reshape(len(self.segs), -1)
+        return [flat[k, : seg.segments].reshape(seg.scalar_shape) for k, seg in enumerate(self.segs)]
+
+    def valid(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([row.reshape(-1) for row in self.rows(t)])
+
+
 def _name(func) -> str:
     return getattr(func, "__name__", None) or repr(func)
 
@@ -315,6 +335,7 @@ class SegmentedMode(TorchFunctionMode):
         super().__init__()
         self.by_shape: Dict[Tuple[int, ...], Segmentation] = {}
         self.by_scalar_shape: Dict[Tuple[int, ...], Segmentation] = {}
+        self.by_stack_shape: Dict[Tuple[int, ...], _Stacked] = {}
         for seg in segmentations:
             if seg.shape in self.by_shape or seg.scalar_shape in self.by_scalar_shape:
                 raise ValueError("two runs of one segmented step must differ in length and in segment count")
@@ -330,21 +351,35 @@ class SegmentedMode(TorchFunctionMode):
         seg = self.by_scalar_shape.get(shape)
         if seg is not None:
             return "scalar", seg
+        stacked = self.by_stack_shape.get(shape)
+        if stacked is not None:
+            return "stack", stacked
         return "plain", None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = _leaves((args, kwargs), [])
         segs: Dict[int, Segmentation] = {}
+        stacks: Dict[int, "_Stacked"] = {}
         kinds = set()
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 kind, seg = self._kind(leaf)
-                if seg is not None:
+                if kind == "stack":
+                    stacks[id(seg)] = seg
+                elif seg is not None:
                     kinds.add(kind)
                     segs[id(seg)] = seg
         if not segs:
+            if stacks:
+                return self._on_stacks(func, stacks, args, kwargs)
             return func(*args, **kwargs)
+        if func in _FOREACH:  # a loop over its lists: each element on its own (one run each)
+            return self._foreach(func, _FOREACH[func], args, kwargs)
+        if stacks:
+            raise NotSegmentable(f"{_name(func)} mixes values of a list over runs with a run")
+        if func is torch.stack and isinstance(args[0] if args else kwargs.get("tensors"), RunValues):
+            return self._stack_runs(args, kwargs)
         if len(segs) > 1:
             raise NotSegmentable(f"{_name(func)} mixes tensors of two different runs")
         (seg,) = segs.values()
@@ -453,11 +488,74 @@ class SegmentedMode(TorchFunctionMode):
         op = torch.linalg.vector_norm if base == "norm" else getattr(torch.Tensor, base, None)
         if op is None:
             raise NotSegmentable(f"{_name(func)} has no per-tensor counterpart")
+        if not isinstance(args[0], (list, tuple)):  # _foreach_pow(scalar, tensors)
+            op = getattr(torch, base.rstrip("_"))
         lists = [a for a in args if isinstance(a, (list, tuple))]
         length = len(lists[0])
-        results = []
+        results = RunValues()
         for i in range(length):
             element = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            element_kwargs = kwargs
+            if base.rstrip("_") in ("addcmul", "addcdiv") and len(element) == 4:  # a scalar list is value=
+                element_kwargs = dict(kwargs, value=element.pop())
             # the mode is paused while it handles a call: route each element through it explicitly
-            results.append(self.__torch_function__(op, (), tuple(element), kwargs))
+            results.append(self.__torch_function__(op, (), tuple(element), element_kwargs))
         return None if func in _FOREACH_IN_PLACE else results
+
+    # ------------------------------------------------------------------ lists over runs
+    def _stack_runs(self, args, kwargs):
+        """``torch.stack`` of a ``_foreach_*`` result: a list over the call's runs, each holding
+        one value per parameter (its segment scalar). Kept as a ``(K, max S, 1, 1, 1, 1)``
+        tensor (padding 1) that the mode knows: elementwise math stays a list, ``unbind``,
+        iteration and indexing give each run's segment scalar back, and a reduction of the
+        whole list reduces over every parameter of every run (a global norm)."""
+        values = args[0] if args else kwargs["tensors"]
+        if (len(args) > 1 and args[1] != 0) or kwargs.get("dim", 0) != 0:
+            raise NotSegmentable("stack of a list over runs along another dimension than 0")
+        segs = []
+        for value in values:
+            kind, seg = self._kind(value) if isinstance(value, torch.Tensor) else ("plain", None)
+            if kind != "scalar":
+                raise NotSegmentable("stack of a list over runs that holds other values than one per parameter")
+            segs.append(seg)
+        width = max(seg.segments for seg in segs)
+        shape = (len(segs), width) + _SCALAR_TRAILING[:-1] + (1, 1)
+        known = self.by_stack_shape.get(shape)
+        if known is not None and [id(s) for s in known.segs] != [id(s) for s in segs]:
+            raise NotSegmentable("two different lists over runs of one shape")
+        stacked = known or _Stacked(segs, shape)
+        self.by_stack_shape[shape] = stacked
+        rows = [torch.cat([v.reshape(-1), v.new_ones(width - seg.segments)]) for v, seg in zip(values, segs)]
+        return torch.stack(rows).reshape(shape)
+
+    def _on_stacks(self, func, stacks, args, kwargs):
+        if len(stacks) > 1:
+            raise NotSegmentable(f"{_name(func)} mixes two lists over runs")
+        (stacked,) = stacks.values()
+        target = args[0] if args else None
+        if isinstance(target, torch.Tensor) and tuple(target.shape) == stacked.shape:
+            if func in (torch.Tensor.unbind, torch.unbind) and (len(args) < 2 or args[1] == 0) and not kwargs:
+                return tuple(stacked.rows(target))
+            if func is torch.Tensor.__iter__:
+                return iter(stacked.rows(target))
+            if func is torch.Tensor.__getitem__ and isinstance(args[1], int):
+                return stacked.rows(target)[args[1]]
+            if func is torch.Tensor.__len__:
+                return len(stacked.segs)
+        if func in _VALUE_READS:
+            raise NotSegmentable(f"the step reads a list over runs into Python ({_name(func)})")
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor) and not (
+                isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out)):
+            return out  # dim(), dtype, device, ...
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == stacked.shape:
+            return out  # elementwise
+        spec = func in _WHOLE_REDUCTIONS and not ({"dim", "axis"} & set(kwargs)) and (
+            len([a for a in args if isinstance(a, torch.Tensor)]) == 1)
+        if spec and isinstance(target, torch.Tensor) and tuple(target.shape) == stacked.shape and not any(
+                isinstance(a, int) and not isinstance(a, bool) for a in args[1:2]
+                if func not in (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)):
+            # over every parameter of every run: the valid entries of the list, in order
+            return func(stacked.valid(target), *args[1:], **kwargs)
+        raise NotSegmentable(f"{_name(func)} turns a list over runs into shape "
+                             f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")

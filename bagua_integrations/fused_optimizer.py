@@ -142,14 +142,15 @@ class Fusion:
         self.segmented: Dict[Tuple[str, ...], Tuple[SegmentedMode, Optional[CompiledStep]]] = {}
         self.step_before_fusing = optimizer.__dict__.get("step")  # restored by unfuse()
         self._just_fused = False  # set by a fused step, consumed by its own post-hook
-        self.handles = [
-            optimizer.register_step_post_hook(self._after_any_step),
-            optimizer.register_load_state_dict_post_hook(lambda _: self.planner.invalidate()),
-        ]
+        self._replay = None  # during a step given a closure: the closure the optimizer's own step gets
+        self.handles = [optimizer.register_step_post_hook(self._after_any_step)]
+        if self.layout.wrapper_reason is None:  # (a wrapper may lack the hook dicts; nothing of it is fused)
+            self.handles.append(optimizer.register_load_state_dict_post_hook(lambda _: self.planner.invalidate()))
         # model.state_dict() and optimizer.state_dict() save compact copies, not whole flat buffers
         self.state_dict_hooks = StateDictHooks()
-        self.state_dict_hooks.install(optimizer, self.layout)
-        self.layout.on_refresh = self.state_dict_hooks.cover
+        if self.layout.wrapper_reason is None:
+            self.state_dict_hooks.install(optimizer, self.layout)
+            self.layout.on_refresh = self.state_dict_hooks.cover
 
     def _compiled_step(self) -> Optional[CompiledStep]:
         if self.config.compile is False or not CompiledStep.eligible(self.optimizer):
@@ -204,10 +205,19 @@ class Fusion:
     def step(self, closure=None):
         """One fused step: plan, run the optimizer's own step on the plan, write state back."""
         optimizer = self.optimizer
-        loss = None
+        if not self.layout.buffers() and (closure is not None or self.layout.wrapper_reason is not None):
+            # Nothing is fused: the fused step is the optimizer's own step, closure and all (an
+            # optimizer that re-evaluates the model through its closure, SAM-style, lands here,
+            # as does a wrapper whose param_groups/state cannot be swapped).
+            return self._run_unfused(closure)
+        loss = replay = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            # The optimizer's own step gets the loss it would have computed (EmoNavi-style
+            # optimizers scale their update by it): called once here, replayed to each call.
+            replay = lambda: loss  # noqa: E731
+        self._replay = replay
         plan = self.planner.plan(self._run_cap())
         swapped = plan.swapped_state(optimizer.state)
         compiled = []
@@ -247,11 +257,45 @@ class Fusion:
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
         # The first step creates state lazily; tracing it would cost a throw-away graph.
         ready = self.compiled_step is not None and bool(plan.runs) and all(run.state for run in plan.runs)
-        if ready and self.compiled_step(optimizer, raw_step):
+        if ready and self._replay is None and self.compiled_step(optimizer, raw_step):
             return True
         with self._eager_grad_mode(strips_grad_mode):
-            raw_step(optimizer)
+            self._call_raw(raw_step)
         return False
+
+    def _call_raw(self, raw_step) -> None:
+        """The optimizer's unwrapped step, given the replayed closure when the user passed one."""
+        if self._replay is None:
+            raw_step(self.optimizer)
+            return
+        calls = []
+
+        def once():
+            if calls:  # the probes keep such optimizers unfused; a step that hid it from them lands here
+                raise FusionError(
+                    f"{type(self.optimizer).__name__}'s step called its closure a second time in one step (it "
+                    "re-evaluates the model), which a fused step cannot do; this step may be partly applied. "
+                    "Restore the last checkpoint and train with this optimizer unfused."
+                )
+            calls.append(1)
+            return self._replay()
+
+        raw_step(self.optimizer, once)
+
+    def _run_unfused(self, closure):
+        """The optimizer's own step with the user's closure, as unfused (nothing is fused)."""
+        optimizer = self.optimizer
+        raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
+        self.planner.invalidate()
+        with self._eager_grad_mode(strips_grad_mode):
+            loss = raw_step(optimizer) if closure is None else raw_step(optimizer, closure)
+        self.stats.last_step_compiled = False
+        self.stats.fused_steps += 1
+        self.stats.last_fused_params = self.stats.last_runs = 0
+        self.stats.last_per_tensor_params = sum(1 for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+        self._just_fused = True
+        mark_step_taken(optimizer)
+        return loss
 
     def _run_per_tensor_step(self, plan: StepPlan) -> bool:
         """Nothing fused: the optimizer's own step, compiled one parameter per call once every
@@ -259,11 +303,11 @@ class Fusion:
         optimizer = self.optimizer
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
         ready = all(optimizer.state.get(p) for params in plan.group_params for p in params if p.grad is not None)
-        if ready and self.per_tensor_steps(optimizer, raw_step, plan.group_params,
+        if ready and self._replay is None and self.per_tensor_steps(optimizer, raw_step, plan.group_params,
                                            lambda: self._eager_grad_mode(strips_grad_mode)):
             return True
         with self._eager_grad_mode(strips_grad_mode):
-            raw_step(optimizer)
+            self._call_raw(raw_step)
         return False
 
     def _eager_grad_mode(self, strips_grad_mode: bool):
@@ -289,11 +333,12 @@ class Fusion:
                             seg.index_blocks(proxy.device)
             self.segmented[key] = (mode, compiled)
         mode, compiled = self.segmented[key]
-        if compiled is not None and compiled.disabled_reason is None and compiled(optimizer, raw_step, mode):
+        if (compiled is not None and compiled.disabled_reason is None and self._replay is None
+                and compiled(optimizer, raw_step, mode)):
             return True
         try:
             with self._eager_grad_mode(strips_grad_mode), mode:
-                raw_step(optimizer)
+                self._call_raw(raw_step)
         except NotSegmentable as exc:
             raise FusionError(
                 f"{type(optimizer).__name__}'s step did something on this step that its probe did not see "
@@ -330,7 +375,7 @@ def fuse_optimizer(
     do_flatten: bool = True,
     *,
     replace_step: bool = False,
-    on_unsupported: str = "raise",
+    on_unsupported: str = "fallback",
     assume_elementwise: bool = False,
     compile="auto",
 ) -> torch.optim.Optimizer:
@@ -341,8 +386,13 @@ def fuse_optimizer(
             they are and only groups already contiguous in memory are fused.
         replace_step: make ``optimizer.step()`` take the fused path too, for frameworks that
             only ever call ``step()`` (HF Trainer, GradScaler, fairseq). ``fuse_step()`` always does.
-        on_unsupported: ``"raise"`` a :class:`NotElementwiseError` for a non-elementwise optimizer,
-            or ``"fallback"`` to its exact unfused step for those groups, with one warning.
+        on_unsupported: what to do with a param group whose step cannot be fused exactly (its
+            update depends on a parameter's shape, as Adafactor's or Shampoo's does).
+            ``"fallback"`` (the default) keeps that group's exact unfused step, compiled one
+            parameter per call where that is exact, with one :class:`FusionFallbackWarning`
+            naming the reason; ``"raise"`` raises :class:`NotElementwiseError` instead, for
+            users who want a guarantee that everything is fused. :func:`fusion_report` says
+            which path each group takes and why.
         assume_elementwise: skip the probe and fuse anyway (only when you know the update is
             elementwise; a wrong guess changes the math).
         compile: run each step as compiled kernels generated from the optimizer's own step

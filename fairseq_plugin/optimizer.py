@@ -49,10 +49,10 @@ class BaguaFusedOptions(FairseqDataclass):
         },
     )
     bagua_on_unsupported: ON_UNSUPPORTED_CHOICES = field(
-        default="raise",
+        default="fallback",
         metadata={
-            "help": "a base whose update is not elementwise (adafactor, lamb): 'raise' an error, or "
-            "'fallback' to its exact unfused step"
+            "help": "a base whose update cannot be fused exactly (adafactor): 'fallback' to its exact "
+            "unfused step with one warning, or 'raise' an error"
         },
     )
     bagua_compile: COMPILE_CHOICES = field(
@@ -177,8 +177,8 @@ class BaguaFusedOptimizer(FairseqOptimizer):
             detail = str(exc).split(" Use fuse_optimizer(")[0]
             raise NotElementwiseError(
                 f"--optimizer bagua_fused cannot fuse --bagua-base-optimizer {self.base_name}: {detail} "
-                f"Add --bagua-on-unsupported fallback to keep {self.base_name}'s exact unfused step, or "
-                f"choose an elementwise base such as adam, sgd or nag."
+                f"Use --bagua-on-unsupported fallback (the default) to keep {self.base_name}'s exact unfused "
+                f"step, or choose an elementwise base such as adam, sgd or nag."
             ) from None
         self._optimizer = torch_optimizer
         self._logged_first_step = False

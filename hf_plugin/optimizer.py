@@ -204,7 +204,7 @@ def create_fused_optimizer(
     args: Any = None,
     optimizer_cls: Optional[Type[torch.optim.Optimizer]] = None,
     *,
-    on_unsupported: str = "raise",
+    on_unsupported: str = "fallback",
     assume_elementwise: bool = False,
     compile: Any = "auto",
     place_model: bool = True,
@@ -254,7 +254,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         params,
         optimizer_cls: Optional[Type[torch.optim.Optimizer]] = None,
         *,
-        on_unsupported: str = "raise",
+        on_unsupported: str = "fallback",
         assume_elementwise: bool = False,
         **kwargs: Any,
     ):
@@ -269,7 +269,7 @@ def fused_optimizer_cls_and_kwargs(
     args: Any = None,
     optimizer_cls: Optional[Type[torch.optim.Optimizer]] = None,
     *,
-    on_unsupported: str = "raise",
+    on_unsupported: str = "fallback",
     assume_elementwise: bool = False,
     **optimizer_kwargs: Any,
 ) -> Tuple[type, Dict[str, Any]]:

@@ -191,7 +191,8 @@ def test_hydra_style_config(fs):
 def test_non_elementwise_base(fs):
     from bagua_integrations import FusionFallbackWarning, NotElementwiseError
 
-    cfg = fs.make_cfg("--optimizer", "bagua_fused", "--bagua-base-optimizer", "adafactor", "--lr", "0.01")
+    cfg = fs.make_cfg("--optimizer", "bagua_fused", "--bagua-base-optimizer", "adafactor", "--lr", "0.01",
+                      "--bagua-on-unsupported", "raise")
     with pytest.raises(NotElementwiseError, match="--bagua-on-unsupported fallback"):
         fs.optim.build_optimizer(cfg.optimizer, list(tiny_model().parameters()))
 

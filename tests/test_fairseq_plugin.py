@@ -99,7 +99,8 @@ def test_sgd_nag_same_losses(corpus, tmp_path, base, flags):
 
 
 def test_adafactor_is_refused_with_a_clear_error(corpus, tmp_path):
-    run = fairseq_train(corpus, None, [*plugin_args("adafactor"), "--lr", "0.01", "--max-update", "2"])
+    run = fairseq_train(corpus, None, [*plugin_args("adafactor"), "--lr", "0.01", "--max-update", "2",
+                                       "--bagua-on-unsupported", "raise"])
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
     assert "NotElementwiseError" in last and "--bagua-base-optimizer adafactor" in last, last

@@ -194,7 +194,7 @@ def test_per_parameter_clipping_fuses_exactly_on_segmented_runs(cls, kwargs):
 @pytest.mark.parametrize("cls,kwargs", [(LambLike, dict(lr=1e-2))])  # float(trust): a value read into Python
 def test_per_tensor_math_is_refused_or_falls_back_exactly(cls, kwargs):
     with pytest.raises(NotElementwiseError, match=f"{cls.__name__}.*on_unsupported='fallback'.*assume_elementwise=True"):
-        fuse_optimizer(cls(TinyNet().parameters(), **kwargs))
+        fuse_optimizer(cls(TinyNet().parameters(), **kwargs), on_unsupported="raise")
 
     a, plain, b, fused = pair(cls, kwargs, {}, on_unsupported="fallback")
     data = batches(8)
@@ -222,7 +222,7 @@ def test_non_elementwise_torch_optimizers_are_refused(opt):
         "sparse_adam": lambda: O.SparseAdam(list(model.parameters())),
     }[opt]()
     with pytest.raises(NotElementwiseError):
-        fuse_optimizer(optimizer)
+        fuse_optimizer(optimizer, on_unsupported="raise")
 
 
 # --------------------------------------------------------------------------- state dicts
@@ -452,7 +452,7 @@ def test_refused_fusion_leaves_the_optimizer_untouched():
     before = [p.data_ptr() for p in model.parameters()]
     opt = LambLike(model.parameters())
     with pytest.raises(NotElementwiseError):
-        fuse_optimizer(opt)
+        fuse_optimizer(opt, on_unsupported="raise")
     assert not is_fused_optimizer(opt)
     assert [p.data_ptr() for p in model.parameters()] == before
     fuse_optimizer(opt, on_unsupported="fallback")  # and can still be fused differently afterwards

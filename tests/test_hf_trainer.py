@@ -25,7 +25,7 @@ from _hf_utils import (  # noqa: E402
     training_args,
 )
 import hf_plugin  # noqa: E402
-from bagua_integrations import LayoutChangedError, NotElementwiseError, fuse_optimizer  # noqa: E402
+from bagua_integrations import FusionFallbackWarning, LayoutChangedError, NotElementwiseError, fuse_optimizer  # noqa: E402
 
 STEPS = 20
 
@@ -186,9 +186,11 @@ def test_bad_input_is_named(tmp_path):
 
     with pytest.raises(NotAnOptimizerError):
         hf_plugin.create_fused_optimizer(tiny_bert(), args, optimizer_cls=dict)
-    # a non-elementwise optimizer chosen through args.optim is refused by the core, by name
-    with pytest.raises(NotElementwiseError):
+    # a non-elementwise optimizer chosen through args.optim keeps its exact step, or is refused by name on request
+    with pytest.warns(FusionFallbackWarning, match="Adafactor"):
         hf_plugin.create_fused_optimizer(tiny_bert(), training_args(tmp_path, optim="adafactor"))
+    with pytest.raises(NotElementwiseError):
+        hf_plugin.create_fused_optimizer(tiny_bert(), training_args(tmp_path, optim="adafactor"), on_unsupported="raise")
     frozen = tiny_bert()
     frozen.requires_grad_(False)
     with pytest.raises(hf_plugin.UnsupportedSetupError, match="no trainable"):

@@ -661,7 +661,7 @@ def test_value_branches_and_shape_math_are_refused_by_name(name):
     before = [p.data_ptr() for p in model.parameters()]
     opt = build(name, model)
     with pytest.raises(NotElementwiseError, match=name):
-        fuse_optimizer(opt, compile=False)
+        fuse_optimizer(opt, compile=False, on_unsupported="raise")
     assert not is_fused_optimizer(opt)
     assert [p.data_ptr() for p in model.parameters()] == before
 
@@ -838,7 +838,7 @@ def test_deliberately_wrong_segmentation_must_fail(monkeypatch, wrong):
     a, b = TinyNet(), TinyNet()
     plain = _lamb(a)
     try:
-        fused = fuse_optimizer(_lamb(b), compile=False)
+        fused = fuse_optimizer(_lamb(b), compile=False, on_unsupported="raise")
     except NotElementwiseError as exc:
         assert "Lamb" in str(exc)
         return

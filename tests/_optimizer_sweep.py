@@ -1,0 +1,148 @@
+"""Every optimizer of pytorch-optimizer, fused as a user would fuse it, against its own unfused step.
+
+Used by ``tests/test_third_party_optimizers.py``; also a script that prints one line per optimizer
+and the counts of each outcome::
+
+    python tests/_optimizer_sweep.py [NAME ...]
+
+The model has 1-D, 2-D, 3-D and ``(1,)``-shaped parameters, one parameter that never gets a
+gradient, and two param groups; the loop zeroes gradients with ``set_to_none=True``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from bagua_integrations import FusionError, fuse_optimizer, fusion_report
+
+STEPS = 8
+RTOL = 1e-5
+# Optimizers whose step needs something a plain loop does not give (a closure that it calls
+# twice, a second backward, a Hessian, an LR it finds by itself with a closure, ...): they are
+# run with a closure; those that still do not run unfused are left out as "does not run".
+_KWARGS: Dict[str, dict] = {
+    "lr": {},
+}
+
+
+class SweepNet(torch.nn.Module):
+    """Parameters of every rank the fused step lays out, a ``(1,)`` scale, and an unused one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(3, 4, 3)  # 3-D weight, 1-D bias
+        self.fc = torch.nn.Linear(8, 5)  # 2-D weight, 1-D bias
+        self.scale = torch.nn.Parameter(torch.tensor([0.7]))  # shape (1,)
+        self.unused = torch.nn.Parameter(torch.randn(4, 4))  # in the optimizer, never in forward
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x)).flatten(1)  # (B, 4, 2) -> (B, 8)
+        return self.fc(h) * self.scale
+
+    def groups(self):
+        return [
+            {"params": [self.conv.weight, self.fc.weight, self.unused]},
+            {"params": [self.conv.bias, self.fc.bias, self.scale], "lr": 3e-3},
+        ]
+
+
+def _data():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 3, 4, generator=gen), torch.randn(6, 5, generator=gen)) for _ in range(STEPS)]
+
+
+def _train(model, opt, data, step):
+    for x, y in data:
+        def closure():
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        closure()
+        step(closure)
+
+
+def _build(cls, model):
+    try:
+        return cls(model.groups(), lr=1e-2)
+    except TypeError:
+        return cls(model.groups())
+
+
+@dataclass
+class Outcome:
+    name: str
+    kind: str  # does-not-run | elementwise | segmented | per-tensor | refused | bare-error | mismatch
+    detail: str = ""
+
+
+def sweep_one(name: str, cls) -> Outcome:
+    data = _data()
+    ref_model = SweepNet()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = _build(cls, ref_model)
+            _train(ref_model, ref, data, ref.step)
+        if not all(torch.isfinite(p).all() for p in ref_model.parameters()):
+            return Outcome(name, "does-not-run", "non-finite parameters unfused")
+    except Exception as exc:  # the optimizer itself does not run on a plain loop
+        return Outcome(name, "does-not-run", f"{type(exc).__name__}: {exc}"[:160])
+    model = SweepNet()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = _build(cls, model)
+            fuse_optimizer(opt)
+            _train(model, opt, data, opt.fuse_step)
+    except FusionError as exc:
+        return Outcome(name, "refused", f"{type(exc).__name__}: {exc}"[:300])
+    except Exception as exc:
+        return Outcome(name, "bare-error", "".join(traceback.format_exception_only(exc)).strip()[:300])
+    worst = 0.0
+    for (pname, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        a, b = a.detach().double(), b.detach().double()
+        ok = torch.isclose(a, b, rtol=RTOL, atol=1e-7) | (a.isnan() & b.isnan())
+        if not bool(ok.all()):
+            worst = max(worst, float(((a - b).abs() / a.abs().clamp_min(1e-12))[~ok].max()))
+    paths = fusion_report(opt).group_paths
+    if worst:
+        return Outcome(name, "mismatch", f"relative error {worst:.2e}; paths {paths}")
+    if "per-tensor" in paths:
+        kind = "per-tensor"
+    elif "segmented" in paths:
+        kind = "segmented"
+    else:
+        kind = "elementwise"
+    reasons = [r for r in fusion_report(opt).group_reasons if r]
+    return Outcome(name, kind, "; ".join(reasons)[:200])
+
+
+def optimizer_classes(names: Optional[List[str]] = None):
+    import pytorch_optimizer
+
+    names = names or pytorch_optimizer.get_supported_optimizers()
+    return [(n, pytorch_optimizer.load_optimizer(n)) for n in names]
+
+
+def sweep(names: Optional[List[str]] = None) -> List[Outcome]:
+    return [sweep_one(n, cls) for n, cls in optimizer_classes(names)]
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    outcomes = sweep(sys.argv[1:] or None)
+    counts: Dict[str, int] = {}
+    for o in outcomes:
+        counts[o.kind] = counts.get(o.kind, 0) + 1
+        print(f"{o.name:24s} {o.kind:13s} {o.detail}")
+    print(counts)

@@ -1,0 +1,352 @@
+""""Any optimizer" as people install it: pytorch-optimizer's whole collection, fused, against its own
+unfused step; and reference tests, written here, for each mechanism that makes that work.
+
+* a ``_foreach_*`` call over several runs is a loop over them; ``torch.stack`` of its result is a
+  list over runs (trust ratios, a global gradient norm);
+* the user's closure is called once and its loss replayed to the optimizer's own step;
+* probing an optimizer does not move the random number generators;
+* what cannot be fused keeps its exact step by default (one warning), or raises on request;
+* a wrapper whose ``param_groups``/``state`` are read-only properties keeps its own step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from bagua_integrations import (
+    FusionFallbackWarning,
+    NotElementwiseError,
+    fuse_optimizer,
+    fusion_report,
+)
+from bagua_integrations import _segmented
+from bagua_integrations import fused_optimizer as fused_module
+from bagua_integrations.report import main as report_main
+
+from _fused_utils import TinyNet, assert_same_params, batches, train
+
+
+# =========================================================================== the real collection
+def test_pytorch_optimizer_collection_is_fused_exactly_or_runs_its_own_step():
+    pytest.importorskip("pytorch_optimizer")
+    from _optimizer_sweep import sweep
+
+    outcomes = sweep()
+    counts = {}
+    for o in outcomes:
+        counts[o.kind] = counts.get(o.kind, 0) + 1
+    print("pytorch-optimizer paths:", counts)
+    bad = [f"{o.name}: {o.kind}: {o.detail}" for o in outcomes if o.kind in ("mismatch", "bare-error", "refused")]
+    assert not bad, "\n".join(bad)  # never different from unfused, never refused by default, no bare error
+    runs = len(outcomes) - counts.get("does-not-run", 0)
+    through_buffers = counts.get("elementwise", 0) + counts.get("segmented", 0)
+    print(f"{through_buffers} of {runs} optimizers that run go through flat buffers")
+    # a regression floor (pytorch-optimizer 4.1.0): a mechanism that breaks drops these counts
+    assert counts.get("segmented", 0) >= 10, counts
+    assert through_buffers >= 68, counts
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars", "novograd", "stableadamw"])
+def test_pytorch_optimizer_norm_based_optimizers_are_segmented(name):
+    pytest.importorskip("pytorch_optimizer")
+    from _optimizer_sweep import optimizer_classes, sweep_one
+
+    ((_, cls),) = optimizer_classes([name])
+    outcome = sweep_one(name, cls)
+    assert outcome.kind == "segmented", outcome
+
+
+# =========================================================================== foreach over runs
+class ForeachLamb(torch.optim.Optimizer):
+    """LAMB written the way foreach implementations write it: one ``_foreach_*`` call per op over
+    the whole group, trust ratios from ``torch.stack`` of per-tensor norms, written into state,
+    and (``global_clip``) the gradients scaled by one global norm over every parameter."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, global_clip=None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, global_clip=global_clip))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            if group["global_clip"] is not None:
+                total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+                torch._foreach_mul_(grads, torch.clamp(group["global_clip"] / (total + 1e-6), max=1.0))
+            beta1, beta2 = group["betas"]
+            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            updates = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_add_(updates, group["eps"])
+            torch._foreach_reciprocal_(updates)
+            torch._foreach_mul_(updates, exp_avgs)
+            weight_norms = torch.stack(torch._foreach_norm(params))
+            update_norms = torch.stack(torch._foreach_norm(updates))
+            ratios = torch.where((weight_norms > 0) & (update_norms > 0), weight_norms / update_norms, 1.0)
+            for p, ratio in zip(params, ratios.unbind()):
+                self.state[p]["trust_ratio"] = ratio
+            torch._foreach_mul_(updates, ratios.unbind())
+            torch._foreach_add_(params, updates, alpha=-group["lr"])
+        return None
+
+
+class RankedNet(torch.nn.Module):
+    """Parameters of ranks 1, 2 and 3, so a fused step has several segmented runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(2, 3, 2)
+        self.fc = torch.nn.Linear(9, 4)
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(torch.tanh(self.conv(x)).flatten(1))))
+
+
+def _ranked_batches(steps):
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(5, 2, 4, generator=gen) * 4, torch.randn(5, 2, generator=gen)) for _ in range(steps)]
+
+
+def _ranked_run(make, fused, steps=8, closure=False, **fuse_kwargs):
+    model = RankedNet()
+    opt = make(model.parameters())
+    if fused:
+        fuse_optimizer(opt, compile=False, **fuse_kwargs)
+    step = opt.fuse_step if fused else opt.step
+    for x, y in _ranked_batches(steps):
+        def loss_fn():
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        if closure:
+            step(loss_fn)
+        else:
+            loss_fn()
+            step()
+    return model, opt
+
+
+@pytest.mark.parametrize("global_clip", [None, 0.05])
+def test_foreach_lamb_over_several_runs_is_segmented_and_exact(global_clip):
+    make = lambda ps: ForeachLamb(ps, global_clip=global_clip)  # noqa: E731
+    plain, _ = _ranked_run(make, fused=False)
+    fused, opt = _ranked_run(make, fused=True)
+    report = fusion_report(opt)
+    assert report.group_paths == ["segmented"], report
+    assert report.fused_params == 6, report
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
+    # the per-parameter values written into state are each parameter's own (0-D, as unfused)
+    for p in fused.parameters():
+        assert opt.state[p]["trust_ratio"].shape == ()
+
+
+def test_global_norm_over_a_list_of_runs_must_cover_every_run(monkeypatch):
+    """Deliberately broken: the global norm taken over the first run only. The probe must refuse it."""
+    monkeypatch.setattr(_segmented._Stacked, "valid", lambda self, t: self.rows(t)[0].reshape(-1))
+    with pytest.raises(NotElementwiseError, match="ForeachLamb.*differs"):
+        fuse_optimizer(ForeachLamb(RankedNet().parameters(), global_clip=0.05), compile=False, on_unsupported="raise")
+
+
+def test_unbound_list_over_runs_must_map_each_run_to_its_own_values(monkeypatch):
+    """Deliberately broken: every run gets the first run's trust ratios back. The probe refuses it."""
+    real_rows = _segmented._Stacked.rows
+
+    def first_rows(self, t):
+        rows = real_rows(self, t)
+        return [rows[0].reshape(-1)[: seg.segments].reshape(seg.scalar_shape)
+                if rows[0].numel() >= seg.segments else row for row, seg in zip(rows, self.segs)]
+
+    monkeypatch.setattr(_segmented._Stacked, "rows", first_rows)
+    with pytest.raises(NotElementwiseError, match="ForeachLamb"):
+        fuse_optimizer(ForeachLamb(RankedNet().parameters()), compile=False, on_unsupported="raise")
+
+
+# =========================================================================== closures
+class LossScaledSGD(torch.optim.Optimizer):
+    """Scales its step by the loss its closure returns (as EmoNavi-style optimizers do)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = 1.0
+        if closure is not None:
+            with torch.enable_grad():
+                loss = float(closure())
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * loss)
+        return loss
+
+
+class TwoEvaluationSGD(torch.optim.Optimizer):
+    """SAM-style: steps to a perturbed point, re-evaluates the model there through the closure."""
+
+    def __init__(self, params, lr=0.1, rho=0.05):
+        super().__init__(params, dict(lr=lr, rho=rho))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            closure()
+        saved = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    e = p.grad * group["rho"]
+                    p.add_(e)
+                    saved.append((p, e))
+        with torch.enable_grad():
+            loss = closure()
+        for p, e in saved:
+            p.sub_(e)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+def test_the_optimizer_sees_the_loss_of_the_closure():
+    plain, _ = _ranked_run(LossScaledSGD, fused=False, closure=True)
+    fused, opt = _ranked_run(LossScaledSGD, fused=True, closure=True)
+    assert fusion_report(opt).group_paths == ["elementwise"]
+    assert_same_params(plain, fused)
+
+
+def test_a_step_without_the_loss_of_the_closure_must_differ(monkeypatch):
+    """Deliberately broken: the optimizer's own step called without the replayed closure."""
+    plain, _ = _ranked_run(LossScaledSGD, fused=False, closure=True)
+    monkeypatch.setattr(fused_module.Fusion, "_call_raw", lambda self, raw_step: raw_step(self.optimizer))
+    fused, _ = _ranked_run(LossScaledSGD, fused=True, closure=True)
+    with pytest.raises(AssertionError):
+        assert_same_params(plain, fused)
+
+
+def test_an_optimizer_that_re_evaluates_through_its_closure_keeps_its_own_step():
+    plain, _ = _ranked_run(TwoEvaluationSGD, fused=False, closure=True)
+    with pytest.warns(FusionFallbackWarning, match="needs a closure"):
+        fused, opt = _ranked_run(TwoEvaluationSGD, fused=True, closure=True)
+    assert fusion_report(opt).group_paths == ["per-tensor"]
+    assert_same_params(plain, fused, rtol=0, atol=0)
+
+
+# =========================================================================== random numbers
+class NoisySGD(torch.optim.Optimizer):
+    """Adds Gaussian noise to each update (Langevin-style): it draws from the global generator."""
+
+    def __init__(self, params, lr=0.05, noise=1e-2):
+        super().__init__(params, dict(lr=lr, noise=noise))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"]).add_(torch.randn_like(p), alpha=group["noise"])
+
+
+def test_fusing_leaves_the_random_number_stream_alone():
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    model = TinyNet()
+    torch.manual_seed(7)
+    with pytest.warns(FusionFallbackWarning):  # noise drawn over a flat tensor is not per-tensor noise
+        fuse_optimizer(NoisySGD(model.parameters()), compile=False)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_an_optimizer_that_draws_random_numbers_is_exact_when_fused():
+    a, b = TinyNet(), TinyNet()
+    plain = NoisySGD(a.parameters())
+    with pytest.warns(FusionFallbackWarning):
+        fused = fuse_optimizer(NoisySGD(b.parameters()), compile=False)
+    data = batches(5)
+    torch.manual_seed(11)
+    train(a, plain, data)
+    torch.manual_seed(11)
+    train(b, fused, data, step=fused.fuse_step)
+    assert_same_params(a, b, rtol=0, atol=0)
+
+
+# =========================================================================== the default: never refused
+def test_what_cannot_be_fused_keeps_its_exact_step_by_default_and_raises_on_request():
+    a, b = TinyNet(), TinyNet()
+    plain = torch.optim.Adafactor(a.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = fuse_optimizer(torch.optim.Adafactor(b.parameters(), lr=1e-2))
+    assert [w.category for w in caught] == [FusionFallbackWarning], [str(w.message) for w in caught]
+    assert "Adafactor" in str(caught[0].message)
+    data = batches(6)
+    train(a, plain, data)
+    train(b, fused, data, step=fused.fuse_step)
+    assert_same_params(a, b, rtol=0, atol=0)
+    report = fusion_report(fused)
+    assert report.group_paths == ["per-tensor"] and "size" in report.group_reasons[0], report
+    with pytest.raises(NotElementwiseError, match="on_unsupported='raise'"):
+        fuse_optimizer(torch.optim.Adafactor(TinyNet().parameters(), lr=1e-2), on_unsupported="raise")
+
+
+class ReadOnlyWrapper(torch.optim.Optimizer):
+    """A Lookahead/Magma-style wrapper: ``param_groups`` and ``state`` are its inner optimizer's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.defaults = inner.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self.steps = 0
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self, closure=None):
+        self.steps += 1
+        return self.inner.step(closure)
+
+
+def test_a_wrapper_with_read_only_state_runs_its_own_step():
+    a, b = TinyNet(), TinyNet()
+    plain = ReadOnlyWrapper(torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9))
+    with pytest.warns(FusionFallbackWarning, match="wrapper"):
+        fused = fuse_optimizer(ReadOnlyWrapper(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)))
+    data = batches(4)
+    train(a, plain, data)
+    train(b, fused, data, step=fused.fuse_step)
+    assert_same_params(a, b, rtol=0, atol=0)
+    assert fused.steps == 4
+    with pytest.raises(NotElementwiseError, match="fuse the inner optimizer"):
+        fuse_optimizer(ReadOnlyWrapper(torch.optim.SGD(TinyNet().parameters(), lr=0.1)), on_unsupported="raise")
+
+
+# =========================================================================== the report command
+def test_report_command_says_which_path_each_group_takes(capsys):
+    assert report_main(["torch.optim:AdamW"]) == 0
+    out = capsys.readouterr().out
+    assert "param group 0: elementwise" in out and "difference from the unfused optimizer" in out
+    assert report_main(["torch.optim:Adafactor", "--kwargs", '{"lr": 0.01}']) == 0
+    assert "param group 0: per-tensor -- " in capsys.readouterr().out
+    assert report_main(["no_such_module:Optim"]) == 2
+    assert "ModuleNotFoundError" in capsys.readouterr().err
