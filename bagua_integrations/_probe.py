@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from collections import OrderedDict, defaultdict
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
@@ -141,9 +142,6 @@ class _Closure:
     more than once re-evaluates the model between calls (SAM, line searches): replaying one loss
     would change its math, so such a step is never fused."""
 
-    NEEDED = ("its step needs a closure (it evaluates the model itself, as L-BFGS, SAM and line searches "
-              "do), so it runs unfused with the closure")
-
     def __init__(self):
         self.calls = 0
 
@@ -153,14 +151,12 @@ class _Closure:
 
     def step(self, step, optimizer, n: int) -> None:
         """The probe's ``n``-th step: the first one without a closure (a step that cannot run
-        without one evaluates the model itself), the others with this one."""
-        if n > 0:
+        without one evaluates the model itself: L-BFGS, SAM, line searches), the others with this
+        one where the step takes a closure."""
+        if n > 0 and _takes_closure(step, optimizer):
             step(optimizer, self)
-            return
-        try:
+        else:
             step(optimizer)
-        except Exception as exc:
-            raise _NeedsClosure(f"{self.NEEDED} (without one it raised {type(exc).__name__}: {exc})") from exc
 
     def reevaluates(self, steps: int) -> Optional[str]:
         if self.calls > steps:
@@ -169,8 +165,12 @@ class _Closure:
         return None
 
 
-class _NeedsClosure(Exception):
-    pass
+def _takes_closure(step, optimizer) -> bool:
+    try:
+        inspect.signature(step).bind(optimizer, None)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _padded_cat(tensors) -> torch.Tensor:
@@ -270,8 +270,6 @@ def probe_elementwise(
                 closure.step(step, opt_a, n)
                 with sizes:
                     closure.step(step, opt_b, n)
-        except _NeedsClosure as exc:
-            return str(exc)
         except Exception as exc:  # the probe reports; the caller decides whether to raise
             return f"its step raised {type(exc).__name__} on synthetic tensors ({exc})"
     reason = closure.reevaluates(2 * (_PROBE_STEPS - 1))
@@ -388,8 +386,6 @@ def probe_segmented(
                     proxy.grad = flat_grad.view(seg.shape)
                 with SegmentedMode([seg for _, seg, _ in runs]):
                     closure.step(step, opt_b, n)
-        except _NeedsClosure as exc:
-            return str(exc)
         except Exception as exc:  # NotSegmentable, or anything else: the probe reports
             return f"its step raised {type(exc).__name__} on segmented synthetic tensors ({exc})"
     reason = closure.reevaluates(2 * (_PROBE_STEPS - 1))

@@ -98,6 +98,11 @@ def rows(shapes, device="cpu", dtype=torch.float32):
     # factored second moments: cannot be fused; its exact step runs compiled per parameter
     adafactor = build_with(lambda ps: torch.optim.Adafactor(ps, lr=1e-2), on_unsupported="fallback")
 
+    def pytorch_optimizer_lamb(fuse=None, torch_compile=False):
+        import pytorch_optimizer  # pip install pytorch-optimizer (in the [test] extra)
+
+        return build_with(lambda ps: pytorch_optimizer.Lamb(ps, lr=1e-4, weight_decay=0.01))(fuse, torch_compile)
+
     def adamw(fuse=None, torch_compile=False, **kwargs):
         return build_with(lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **kwargs))(fuse, torch_compile)
 
@@ -109,6 +114,9 @@ def rows(shapes, device="cpu", dtype=torch.float32):
         ("LAMB per-tensor", lamb()),
         ("LAMB fused (segmented), compiled", lamb(fuse=True)),
         ("torch.compile(Lamb.step)", lamb(torch_compile=True)),
+        ("pytorch-optimizer Lamb (foreach) per-tensor", pytorch_optimizer_lamb()),
+        ("pytorch-optimizer Lamb fused (segmented), eager", pytorch_optimizer_lamb(fuse=False)),
+        ("pytorch-optimizer Lamb fused (segmented), compiled", pytorch_optimizer_lamb(fuse=True)),
         ("BertAdam max_grad_norm=-1 per-tensor", bert_adam_no_clip()),
         ("BertAdam max_grad_norm=-1 fused, eager", bert_adam_no_clip(fuse=False)),
         ("BertAdam max_grad_norm=-1 fused, compiled", bert_adam_no_clip(fuse=True)),

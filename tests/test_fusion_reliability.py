@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from bagua_integrations import FusionError, NotAnOptimizerError, flat_grad_segments, fuse_optimizer, fusion_report
+from bagua_integrations import FusionError, FusionFallbackWarning, NotAnOptimizerError, flat_grad_segments, fuse_optimizer, fusion_report
 from bagua_integrations.fused_optimizer import unfuse
 
 
@@ -159,7 +159,10 @@ def test_the_probe_refuses_an_optimizer_it_cannot_copy_with_a_named_error():
             self.lock = threading.Lock()  # cannot be deep-copied
 
     with pytest.raises(FusionError, match="cannot be copied"):
-        fuse_optimizer(Locked(_model().parameters(), lr=0.1))
+        fuse_optimizer(Locked(_model().parameters(), lr=0.1), on_unsupported="raise")
+    with pytest.warns(FusionFallbackWarning, match="cannot be copied"):  # the default: its own exact step
+        opt = fuse_optimizer(Locked(_model().parameters(), lr=0.1))
+    assert fusion_report(opt).group_paths == ["per-tensor"]
 
 
 class EagerStateAdagrad(torch.optim.Optimizer):
