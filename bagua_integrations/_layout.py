@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ._flat import FlatBuffer, Slot
-from ._probe import probe_elementwise, probe_segmented
+from ._paths import SEGMENTED, PathChooser
 from ._segmented import MAX_RANK
 from .errors import FusionFallbackWarning, NotElementwiseError, SharedParameterError
 
@@ -68,21 +68,6 @@ def tied_parameters(params: List[torch.Tensor]) -> set:
     return tied
 
 
-def wrapper_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
-    """Why ``optimizer`` cannot have tensors swapped into its step (None: it can).
-
-    A fused step hands the optimizer's own ``step`` other parameters and another state dict.
-    Wrapper optimizers (Lookahead/Magma-style) that expose ``param_groups`` or ``state`` as
-    read-only properties of the optimizer they wrap cannot be given either."""
-    cls = type(optimizer)
-    for name in ("param_groups", "state"):
-        attr = getattr(cls, name, None)
-        if isinstance(attr, property) and attr.fset is None:
-            return (f"{cls.__name__} is a wrapper whose '{name}' is the optimizer it wraps (a read-only property); "
-                    "fuse the inner optimizer before wrapping it to fuse anything")
-    return None
-
-
 class GradHooks:
     """The gradient hooks of one layout, by slot. Holds no reference to the optimizer, so it
     can be cleared when the optimizer is garbage-collected."""
@@ -116,6 +101,12 @@ class GroupLayout:
         # (_segmented.py): its runs hold parameters of one rank and reduce per parameter.
         self.segmented = False
         self.reason: Optional[str] = None  # why the group's parameters keep their unfused step
+        self.why: Dict[str, str] = {}  # path -> why the group (on some device) takes it
+
+    @property
+    def path_why(self) -> str:
+        """Why the group takes :attr:`path`."""
+        return self.reason or self.why.get(self.path, "")
 
     @property
     def path(self) -> str:
@@ -141,10 +132,11 @@ class FlatLayout:
         # called with this layout after refresh() laid out a group anew (the fusion hooks the
         # state_dict of the modules owning new parameters)
         self.on_refresh: Optional[Callable[["FlatLayout"], None]] = None
-        self._probe_cache: Dict[Tuple[str, torch.device], Optional[str]] = {}
         self._warned = set()
+        # each group's path is decided before it is laid out (one place: _paths.py)
+        self.paths = PathChooser(optimizer, config.assume_elementwise)
         # the optimizer's step cannot be given other tensors: every group keeps its own step
-        self.wrapper_reason = wrapper_reason(optimizer)
+        self.wrapper_reason = self.paths.wrapper_reason
         try:
             self._check_each_parameter_once()
             for index, group in enumerate(optimizer.param_groups):
@@ -194,26 +186,6 @@ class FlatLayout:
         name = names[i] if names and i < len(names) else f"param_groups[{index}]['params'][{i}]"
         return f"{name} {tuple(p.shape)}"
 
-    def _probe(self, group, device) -> Tuple[Optional[str], bool]:
-        """``(why not, segmented)``: why ``group``'s update cannot be fused on ``device`` (None: it
-        can), and whether it takes the segmented path. Cached per group settings."""
-        if self.wrapper_reason is not None:
-            return self.wrapper_reason, False
-        if self.config.assume_elementwise:
-            return None, False
-        key = (repr(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names"))), device)
-        if key not in self._probe_cache:
-            reason = probe_elementwise(self.optimizer, group, device)
-            segmented = False
-            if reason is not None:
-                why_not = probe_segmented(self.optimizer, group, device)
-                if why_not is None:
-                    reason, segmented = None, True
-                else:
-                    reason = f"{reason}; with per-parameter reductions: {why_not}"
-            self._probe_cache[key] = (reason, segmented)
-        return self._probe_cache[key]
-
     def _unfusable_reason(self, p: torch.Tensor, tied: set) -> Optional[str]:
         if p.numel() == 0:
             return "it has no elements"
@@ -243,7 +215,9 @@ class FlatLayout:
             else:
                 by_key.setdefault((p.device, p.dtype), []).append(p)
         for (device, _), members in by_key.items():
-            reason, segmented = self._probe(group, device)
+            path = self.paths.choose(group, device)
+            layout.why.setdefault(path.path, path.why)
+            reason, segmented = path.refusal, path.path == SEGMENTED
             if segmented:
                 ranked = [p for p in members if 1 <= p.dim() <= MAX_RANK]
                 if len(ranked) < len(members):

@@ -54,6 +54,10 @@ _WHOLE_REDUCTIONS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, to
                      torch.Tensor.mean, torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.max,
                      torch.Tensor.max, torch.min, torch.Tensor.min, torch.dot, torch.Tensor.dot}
 _FOREACH_IN_PLACE = {f for f, base in _FOREACH.items() if base.endswith("_")}
+# Shape-only functions: on one value per parameter, the per-parameter result is that one value again.
+_RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.squeeze, torch.squeeze,
+             torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.flatten, torch.flatten, torch.Tensor.ravel,
+             torch.ravel, torch.Tensor.contiguous}
 _IN_PLACE = {getattr(torch.Tensor, n) for n in dir(torch.Tensor)
              if (n.endswith("_") and not n.startswith("__")) or n.startswith("__i")}
 
@@ -469,6 +473,10 @@ class SegmentedMode(TorchFunctionMode):
 
     # ------------------------------------------------------------------ segment scalars only
     def _on_scalars(self, func, seg: Segmentation, args, kwargs):
+        if func in _RESHAPES and args and isinstance(args[0], torch.Tensor) and tuple(args[0].shape) == seg.scalar_shape:
+            # one value per parameter reshaped to another one-value shape ((1,) -> (), unsqueeze(0)):
+            # still one value per parameter (a view, as the per-parameter reshape is)
+            return args[0].view(seg.scalar_shape)
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):

@@ -86,6 +86,8 @@ class FusionReport:
     group_paths: List[str] = field(default_factory=list)
     # per param group: why it keeps its unfused step (None where it is fused)
     group_reasons: List[Optional[str]] = field(default_factory=list)
+    # per param group: why it takes the path in group_paths (for every path)
+    group_why: List[str] = field(default_factory=list)
     # nothing fused: the exact unfused step runs compiled, one parameter per call (_per_tensor.py)
     per_tensor_compiled: bool = False
     per_tensor_compile_reason: Optional[str] = None  # why not, where it could have
@@ -532,6 +534,7 @@ def fusion_report(optimizer) -> FusionReport:
         step_replaced=fusion.config.replace_step,
         group_paths=[layout.groups[i].path for i in sorted(layout.groups)],
         group_reasons=[layout.groups[i].reason for i in sorted(layout.groups)],
+        group_why=[layout.groups[i].path_why for i in sorted(layout.groups)],
         per_tensor_compiled=per_tensor is not None and per_tensor.disabled_reason is None,
         per_tensor_compile_reason=fusion.per_tensor_reason or (per_tensor.disabled_reason if per_tensor else None),
     )

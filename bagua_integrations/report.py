@@ -77,8 +77,8 @@ def describe(cls, kwargs: Optional[dict] = None, steps: int = 3) -> List[str]:
     )
     report = fusion_report(optimizers[1])
     lines = [f"{cls.__module__}.{cls.__qualname__}"]
-    for index, (path, reason) in enumerate(zip(report.group_paths, report.group_reasons)):
-        lines.append(f"  param group {index}: {path}" + (f" -- {reason}" if reason else ""))
+    for index, (path, why) in enumerate(zip(report.group_paths, report.group_why)):
+        lines.append(f"  param group {index}: {path} -- {why}")
     lines.append(f"  largest relative difference from the unfused optimizer after {steps} steps: {worst:.1e}")
     return lines
 

@@ -350,3 +350,43 @@ def test_report_command_says_which_path_each_group_takes(capsys):
     assert "param group 0: per-tensor -- " in capsys.readouterr().out
     assert report_main(["no_such_module:Optim"]) == 2
     assert "ModuleNotFoundError" in capsys.readouterr().err
+
+
+# =========================================================================== (1,)-shaped per-parameter state
+class WeightedMomentum(torch.optim.Optimizer):
+    """QHAdam-style: a ``(1,)``-shaped running weight per parameter, read back as a 0-D value with
+    ``reshape(())``, and a per-parameter norm scaling the update."""
+
+    def __init__(self, params, lr=0.05, beta=0.9):
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(weight=torch.zeros((1,)), momentum=torch.zeros_like(p))
+            weights = [self.state[p]["weight"] for p in params]
+            torch._foreach_mul_(weights, group["beta"])
+            torch._foreach_add_(weights, 1.0)
+            for p, w in zip(params, torch._foreach_reciprocal(weights)):
+                m = self.state[p]["momentum"]
+                m.mul_(group["beta"]).add_(p.grad)
+                p.add_(m * w.reshape(()) / (m.norm() + 1e-3), alpha=-group["lr"])
+
+
+def test_one_element_state_reshaped_to_a_value_stays_one_value_per_parameter():
+    plain, _ = _ranked_run(WeightedMomentum, fused=False)
+    fused, opt = _ranked_run(WeightedMomentum, fused=True, on_unsupported="raise")
+    assert fusion_report(opt).group_paths == ["segmented"]
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
+    for p in fused.parameters():
+        assert opt.state[p]["weight"].shape == (1,)  # the layout of the unfused optimizer's state
+
+
+def test_one_element_state_reshape_must_be_handled(monkeypatch):
+    """Deliberately broken: reshapes of one value per parameter treated as ordinary ops. Refused by the probe."""
+    monkeypatch.setattr(_segmented, "_RESHAPES", set())
+    with pytest.raises(NotElementwiseError, match="WeightedMomentum"):
+        fuse_optimizer(WeightedMomentum(RankedNet().parameters()), compile=False, on_unsupported="raise")

@@ -1,0 +1,84 @@
+"""Which path each param group takes, decided once, before anything is laid out.
+
+A group's update is one of:
+
+* ``"elementwise"`` -- each element's update depends on that element alone: its parameters go
+  into flat buffers and the optimizer's own step runs on whole flat runs;
+* ``"segmented"`` -- elementwise except for reductions over a whole parameter (norms, clipping,
+  trust ratios): flat runs of one rank, every reduction computed per parameter
+  (``_segmented.py``);
+* ``"per-tensor"`` -- anything else: the optimizer's own exact step over its own tensors.
+
+:class:`PathChooser` asks the optimizer itself (``_probe.py``) rather than an allowlist, caches the
+answer per group settings and device, and keeps the reason for every path, so that
+``fusion_report(opt).group_why`` can say why each group runs as it does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ._probe import probe_elementwise, probe_segmented
+
+ELEMENTWISE, SEGMENTED, PER_TENSOR = "elementwise", "segmented", "per-tensor"
+
+
+@dataclass(frozen=True)
+class GroupPath:
+    """The path of one param group on one device, and why."""
+
+    path: str
+    why: str
+
+    @property
+    def refusal(self) -> Optional[str]:
+        """Why the group cannot be fused (None where it is)."""
+        return self.why if self.path == PER_TENSOR else None
+
+
+def wrapper_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why ``optimizer`` cannot have tensors swapped into its step (None: it can).
+
+    A fused step hands the optimizer's own ``step`` other parameters and another state dict.
+    Wrapper optimizers (Lookahead/Magma-style) that expose ``param_groups`` or ``state`` as
+    read-only properties of the optimizer they wrap cannot be given either."""
+    cls = type(optimizer)
+    for name in ("param_groups", "state"):
+        attr = getattr(cls, name, None)
+        if isinstance(attr, property) and attr.fset is None:
+            return (f"{cls.__name__} is a wrapper whose '{name}' is the optimizer it wraps (a read-only property); "
+                    "fuse the inner optimizer before wrapping it to fuse anything")
+    return None
+
+
+class PathChooser:
+    """Decides each group's :class:`GroupPath`; cached per group settings and device."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, assume_elementwise: bool = False):
+        self.optimizer = optimizer
+        self.assume_elementwise = assume_elementwise
+        self.wrapper_reason = wrapper_reason(optimizer)
+        self._cache: Dict[Tuple[str, torch.device], GroupPath] = {}
+
+    def choose(self, group: Dict[str, Any], device: torch.device) -> GroupPath:
+        if self.wrapper_reason is not None:
+            return GroupPath(PER_TENSOR, self.wrapper_reason)
+        if self.assume_elementwise:
+            return GroupPath(ELEMENTWISE, "assume_elementwise=True (not probed)")
+        key = (repr(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names"))), device)
+        if key not in self._cache:
+            self._cache[key] = self._probe(group, device)
+        return self._cache[key]
+
+    def _probe(self, group, device) -> GroupPath:
+        not_elementwise = probe_elementwise(self.optimizer, group, device)
+        if not_elementwise is None:
+            return GroupPath(ELEMENTWISE, "its step is elementwise (checked against per-tensor steps on synthetic tensors)")
+        not_segmented = probe_segmented(self.optimizer, group, device)
+        if not_segmented is None:
+            return GroupPath(SEGMENTED, f"not elementwise ({not_elementwise}); elementwise apart from reductions "
+                                        "over whole parameters, which are computed per parameter")
+        return GroupPath(PER_TENSOR, f"{not_elementwise}; with per-parameter reductions: {not_segmented}")
