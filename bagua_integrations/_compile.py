@@ -33,6 +33,7 @@ from ._torch_compat import (
     dynamo_recompile_limit,
     forget_float_specializations,
     inductor_backend,
+    math_pow_kept_symbolic,
 )
 from ._scalar_prologue import with_scalar_prologue
 from .errors import CompileFallbackWarning
@@ -170,7 +171,8 @@ class CompiledStep:
         started = time.perf_counter()
         forget_float_specializations()
         try:
-            with _single_tensor_groups(optimizer), torch.no_grad(), dynamo_recompile_limit(self.max_graphs + 1):
+            with _single_tensor_groups(optimizer), torch.no_grad(), dynamo_recompile_limit(self.max_graphs + 1), \
+                    math_pow_kept_symbolic():
                 self._compiled(optimizer, raw_step, mode)
         except Exception as exc:  # fullgraph: a failure happens before any tensor is updated
             self._disable(_describe(exc))

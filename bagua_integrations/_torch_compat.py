@@ -11,6 +11,10 @@ release the tests ran on.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+import math
+
 import os
 from typing import Callable, Tuple
 
@@ -68,6 +72,32 @@ def forget_float_specializations() -> None:
     except ImportError:
         return
     TensorifyState.clear()
+
+
+def _math_pow_as_operator(x, y):
+    # float ** float is C pow, as math.pow is; Dynamo traces it symbolically
+    return float(x) ** float(y)
+
+
+@contextmanager
+def math_pow_kept_symbolic():
+    """While a compiled step is traced and run, ``math.pow`` is ``float(x) ** float(y)``.
+
+    Dynamo evaluates ``math.pow`` on the traced values and guards on the result, so an optimizer
+    that keeps its step count as a Python int in its param group and computes a bias correction
+    with ``math.pow(beta, group["step"])`` (pytorch-optimizer's ``debias``, for one) recompiles
+    on every step and switches the compiled step off after a few. ``**`` stays symbolic. Both
+    call C ``pow`` on doubles, so the values are the same; ``math.pow``'s errors (a negative base
+    with a fractional exponent) are not raised inside the compiled step. The attribute is set
+    around every call of the compiled step (Dynamo's guards see it on each call) and restored
+    after; another thread calling ``math.pow`` meanwhile gets the same value.
+    """
+    original = math.pow
+    math.pow = _math_pow_as_operator
+    try:
+        yield
+    finally:
+        math.pow = original
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
