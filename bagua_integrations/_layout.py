@@ -127,6 +127,7 @@ class FlatLayout:
         self.optimizer = optimizer
         self.config = config
         self.groups: Dict[int, GroupLayout] = {}
+        self.generation = 0  # bumped whenever refresh() rebuilds or drops a group (the planner watches it)
         self.reasons: Dict[str, str] = {}  # parameter name -> why it is stepped per tensor
         self.hooks = GradHooks()
         # called with this layout after refresh() laid out a group anew (the fusion hooks the
@@ -295,8 +296,10 @@ class FlatLayout:
         for index in [i for i in self.groups if i >= len(self.optimizer.param_groups)]:
             self.hooks.remove(self.groups.pop(index).slots())
             changed = True
-        if changed and self.on_refresh is not None:
-            self.on_refresh(self)
+        if changed:
+            self.generation += 1
+            if self.on_refresh is not None:
+                self.on_refresh(self)
         return changed
 
     def remove_hooks(self) -> None:

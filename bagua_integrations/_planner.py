@@ -11,8 +11,9 @@ by one. Vocabulary (see also ``_flat.py``):
 * **token** -- an opaque object per slot: slots whose scalar state (Adam's ``step``, ...)
   is equal share a token; only slots with the same token can share a run. Tokens are
   recomputed from the state values after anything but a fused step may have changed them
-  (an ordinary step, ``load_state_dict``, a layout change); a fused step gives every slot
-  of a run one new token, since it advanced them together.
+  (an ordinary step, ``load_state_dict``, a layout change, an edit of the state between
+  steps: see :class:`StateWatch`); a fused step gives every slot of a run one new token,
+  since it advanced them together.
 * **per-tensor parameters** -- stepped with their own tensors: groups that are not
   elementwise, sparse gradients, and state not shaped like the parameter.
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import chain, repeat
+from operator import is_
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -28,6 +31,7 @@ import torch
 from ._flat import FlatBuffer, Slot
 from ._layout import FlatLayout
 from ._segmented import Segmentation, run_shape, state_kind
+from ._torch_compat import tensor_versions
 from .errors import FusionError
 
 # A slot's token when its state cannot be flattened (a tensor not shaped like the parameter,
@@ -36,6 +40,7 @@ UNFUSABLE_STATE = object()
 # A slot of a segmented group before its first step: the optimizer creates its state lazily,
 # shaped per parameter, so that step runs per tensor (no warning).
 FIRST_STEP = object()
+_MISSING = object()  # a key no longer in a state entry
 
 
 @dataclass
@@ -137,6 +142,72 @@ def _state_signature(state: Dict[str, Any], param: torch.Tensor):
     return tuple(sorted(tensors, key=repr)), tuple(sorted(scalars, key=repr))
 
 
+class StateWatch:
+    """The optimizer's state as a fused step left it, to tell whether anything edited it since.
+
+    Between two fused steps a user may ``del optimizer.state[p]``, replace an entry or one of its
+    values, or edit a one-element tensor (a step count) in place; the next step must then plan
+    its runs from the state as it is now. The check runs every step, so it must cost little next
+    to the step (BERT-base: 201 parameters, 603 state values): a tensor's ``__hash__`` is Python
+    code, so even looking each parameter up in ``optimizer.state`` would cost ~50 us. Instead
+    the watch keeps flat lists of what it saw and compares them in C-level passes (``map``):
+
+    * ``optimizer.state`` has the same keys and entries, in the same order: this covers every
+      fused parameter's entry (deleted, added, replaced) without hashing a parameter;
+    * each key seen in a fused parameter's entry still holds the same value (by identity), and
+      the entries hold no more keys than they did (their lengths add up the same);
+    * each one-element tensor among those values has the same ``_version`` (in-place edits).
+
+    Identity is exact: the fused parameters are held by the layout, and the watch holds the
+    state's keys and the fused entries with their values, so none of them can be freed and its
+    id reused. Other entries are compared by id without being held (an unfused parameter's
+    dropped state is not kept alive): an id reused there could only hide an edit of state the
+    fused step does not plan from. The check is stricter than needed (an edit of an unfused
+    parameter's entry counts too), which costs only a re-plan. An entry that is not a dict is
+    never trusted (always "changed").
+    """
+
+    def __init__(self, state, params: List[torch.Tensor], generation: int):
+        self.state_id = id(state)
+        self.generation = generation  # of the layout whose fused ``params`` these are
+        self.keys = list(state)
+        self.entry_ids = list(map(id, state.values()))
+        self.entries = [entry for entry in map(state.get, params) if entry is not None]
+        self.trusted = all(isinstance(entry, dict) for entry in self.entries)
+        self.length = sum(map(len, self.entries))
+        # one row per (entry, key, value) of the fused entries, as parallel lists
+        entries = self.entries
+        self.owners = list(chain.from_iterable(map(repeat, entries, map(len, entries))))
+        self.entry_keys = list(chain.from_iterable(entries))
+        self.values = list(chain.from_iterable(map(dict.values, entries)))
+        self.scalars = [v for v in self.values if isinstance(v, torch.Tensor) and v.numel() == 1]
+        self.versions = tensor_versions(self.scalars)
+
+    def same_frame(self, state, generation: int) -> bool:
+        """The cheap part of :meth:`same_objects`: same dict, layout and number of entries."""
+        return (
+            self.trusted and id(state) == self.state_id and generation == self.generation and len(state) == len(self.keys)
+        )
+
+    def same_objects(self, state, generation: int) -> bool:
+        """The state holds the objects it held (values of one-element tensors aside)."""
+        return (
+            self.same_frame(state, generation)
+            and all(map(is_, state, self.keys))
+            and list(map(id, state.values())) == self.entry_ids
+            and all(map(is_, map(dict.get, self.owners, self.entry_keys, repeat(_MISSING)), self.values))
+            and sum(map(len, self.entries)) == self.length
+        )
+
+    def unchanged(self, state, generation: int) -> bool:
+        """Nothing in the state was replaced, added, removed or edited in place."""
+        return self.same_objects(state, generation) and tensor_versions(self.scalars) == self.versions
+
+    def reread_versions(self) -> None:
+        """After a fused step advanced the step counts in place."""
+        self.versions = tensor_versions(self.scalars)
+
+
 class StepPlanner:
     """Builds each step's :class:`StepPlan` and maps the resulting flat state back per parameter."""
 
@@ -147,28 +218,43 @@ class StepPlanner:
         self._shaped: Dict[Tuple[int, int, int, str], torch.Tensor] = {}  # rank-shaped views, reused
         self._segmentations: Dict[Any, Segmentation] = {}  # one per run layout: compiled graphs key on it
         self._first_stepped: set = set()  # ids of FIRST_STEP slots that took their first step per tensor
-        self._state_seen: Optional[Tuple] = None  # _state_fingerprint() after the last write-back
+        self._state_seen: Optional[StateWatch] = None  # the state as the last write-back left it
+        # Set when this step may have replaced or added a state object after plan()'s check (see
+        # _put): write_back() then compares the state with the watch instead of only re-reading
+        # the versions of the step counts, which is all a usual step changes.
+        self._state_written = True
 
     def invalidate(self) -> None:
         """Something other than a fused step may have changed scalar state: recompute tokens."""
         self.tokens_stale = True
 
-    def _state_fingerprint(self) -> Tuple:
-        """Which state objects each fused parameter holds, and the versions of its one-value
-        tensors: ``del optimizer.state[p]``, a replaced entry or an in-place edit of a step count
-        between steps changes it, and the runs are planned from the state as it is now."""
-        state = self.optimizer.state
-        out = []
-        for group in self.layout.groups.values():
-            for slot in group.slots():
-                entry = state.get(slot.param)
-                if entry is None:
-                    out.append(None)
-                    continue
-                out.append((id(entry), tuple(
-                    (key, id(value), value._version if isinstance(value, torch.Tensor) and value.numel() == 1 else None)
-                    for key, value in entry.items())))
-        return tuple(out)
+    def _state_unchanged(self) -> bool:
+        """Nothing edited the fused parameters' state since the last write-back (nor the layout):
+        ``del optimizer.state[p]``, a replaced entry or an in-place edit of a step count between
+        steps is seen, and the runs are then planned from the state as it is now."""
+        seen = self._state_seen
+        return seen is not None and seen.unchanged(self.optimizer.state, self.layout.generation)
+
+    def _see_state(self) -> None:
+        """Record the state as this write-back leaves it. A usual step wrote no state object (it
+        advanced the step counts in place): the watch still holds the right objects and only
+        their versions are read again. Otherwise the state is compared with the watch, and a new
+        one is taken if it differs (first step, an edit, a parameter stepped on its own)."""
+        seen, state, generation = self._state_seen, self.optimizer.state, self.layout.generation
+        if seen is not None and (
+            seen.same_objects(state, generation) if self._state_written else seen.same_frame(state, generation)
+        ):
+            seen.reread_versions()
+        else:
+            params = [slot.param for group in self.layout.groups.values() for slot in group.slots()]
+            self._state_seen = StateWatch(state, params, generation)
+        self._state_written = False
+
+    def _put(self, entry: Dict[Any, Any], key: Any, value: Any) -> None:
+        """``entry[key] = value`` into ``optimizer.state`` or one of its entries during a fused
+        step; noted, so that the write-back records the state anew (see ``_see_state``)."""
+        entry[key] = value
+        self._state_written = True
 
     def _retoken(self) -> None:
         state = self.optimizer.state
@@ -190,8 +276,8 @@ class StepPlanner:
         """This step's work; ``run_cap`` bounds a run's length in elements."""
         if self.layout.refresh():
             self.tokens_stale = True
-        if self._state_seen is None or self._state_seen != self._state_fingerprint():
-            self.tokens_stale = True
+        if self.tokens_stale or not self._state_unchanged():
+            self.tokens_stale = self._state_written = True
         if self.tokens_stale:
             self._retoken()
         plan = StepPlan([], [], [])
@@ -260,6 +346,7 @@ class StepPlanner:
             params.append(slot.param)
             per_tensor.append(slot.param)
             self.tokens_stale = True
+            self._state_written = True  # the optimizer steps the parameter's own state entry
         return False
 
     def _shaped_view(self, buffer: FlatBuffer, tensor: torch.Tensor, start: int, what: str, shape) -> torch.Tensor:
@@ -293,7 +380,10 @@ class StepPlanner:
             if kind == "flat":
                 for slot in run.slots:
                     per_param = state[slot.param]
-                    per_param[key] = buffer.sync_state(key, slot, per_param[key])
+                    current = per_param[key]
+                    synced = buffer.sync_state(key, slot, current)
+                    if synced is not current:
+                        self._put(per_param, key, synced)
                 flat = buffer.state_slice(key, run.start, run.end)
                 run.state[key] = self._shaped_view(buffer, flat, start, key, shape)
             elif kind == "scalar":
@@ -313,7 +403,10 @@ class StepPlanner:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 for slot in run.slots:
                     per_param = state[slot.param]
-                    per_param[key] = buffer.sync_state(key, slot, per_param[key])
+                    current = per_param[key]
+                    synced = buffer.sync_state(key, slot, current)
+                    if synced is not current:
+                        self._put(per_param, key, synced)
                 run.state[key] = buffer.state_slice(key, run.start, run.end)
             else:
                 run.state[key] = value
@@ -324,11 +417,12 @@ class StepPlanner:
         """Map the state the optimizer produced for each proxy back onto every parameter's state."""
         state = self.optimizer.state
         for key, value in swapped_state.items():
-            if not isinstance(key, torch.Tensor):
-                state[key] = value
+            if not isinstance(key, torch.Tensor) and state.get(key, _MISSING) is not value:
+                self._put(state, key, value)
         for p in plan.per_tensor:
-            if p in swapped_state:
-                state[p] = swapped_state[p]
+            entry = swapped_state.get(p)
+            if entry is not None and state.get(p) is not entry:
+                self._put(state, p, entry)
         for run in plan.runs:
             new_state = swapped_state.get(run.proxy, {})
             token = object()  # the run's slots were advanced together
@@ -344,7 +438,7 @@ class StepPlanner:
                     self._write_scalar_state(run, key, value)
             for slot in run.slots:
                 slot.token = token
-        self._state_seen = self._state_fingerprint()
+        self._see_state()
 
     def _write_per_segment_state(self, run: Run, key: str, value: torch.Tensor) -> None:
         state = self.optimizer.state
@@ -357,7 +451,7 @@ class StepPlanner:
             if isinstance(current, torch.Tensor) and current.shape == shape and current.dtype == new.dtype:
                 current.copy_(new)
             else:
-                per_param[key] = new.clone()
+                self._put(per_param, key, new.clone())
 
     def _write_flat_state(self, run: Run, key: str, value: torch.Tensor) -> None:
         if value.numel() != run.end - run.start or value.dim() != 1:
@@ -372,7 +466,7 @@ class StepPlanner:
             view = buffer.state_view(key, slot)
             per_param = state[slot.param]
             if per_param.get(key) is not view:
-                per_param[key] = view
+                self._put(per_param, key, view)
 
     def _write_scalar_state(self, run: Run, key: str, value) -> None:
         state = self.optimizer.state
@@ -390,4 +484,4 @@ class StepPlanner:
             ):
                 current.copy_(value)
             else:
-                per_param[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                self._put(per_param, key, value.clone() if isinstance(value, torch.Tensor) else value)

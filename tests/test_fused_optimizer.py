@@ -523,7 +523,8 @@ def test_step_hooks_run_once_per_fused_step_and_see_the_real_parameters():
 
 # ---------------------------------------------------------------------- edits between steps (found in review)
 def _edited_run(make, edit, steps=5, at=2):
-    """Unfused and fused copies stepped side by side; ``edit(model, optimizer)`` runs on both before step ``at``."""
+    """Unfused and fused copies stepped side by side; ``edit(model, optimizer)`` runs on both before step ``at``
+    (``edit`` may also be a dict ``{step: edit}``)."""
     import copy
 
     torch.manual_seed(0)
@@ -534,9 +535,10 @@ def _edited_run(make, edit, steps=5, at=2):
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
         x = torch.randn(5, 4, generator=gen) * 10
-        if step == at:
-            edit(plain_model, plain)
-            edit(fused_model, fused)
+        step_edit = edit.get(step) if isinstance(edit, dict) else edit if step == at else None
+        if step_edit is not None:
+            step_edit(plain_model, plain)
+            step_edit(fused_model, fused)
         for model, opt in ((plain_model, plain), (fused_model, fused)):
             opt.zero_grad()
             model(x).pow(2).sum().backward()
@@ -555,6 +557,16 @@ def test_deleting_one_parameters_state_restarts_only_that_parameter(which):
     assert [s["step"].item() for s in fused.state.values()] != [5.0] * 4
 
 
+def test_state_moved_to_another_key_restarts_the_parameter():
+    """``optimizer.state[q] = optimizer.state.pop(p)`` for the last key: the same entries in the
+    same order, under another key. p restarts, as after ``del``."""
+    def move(model, opt):
+        assert list(opt.state)[-1] is model[2].bias
+        opt.state[torch.zeros(1)] = opt.state.pop(model[2].bias)
+
+    _edited_run(lambda ps: torch.optim.Adam(ps, lr=0.01), move)
+
+
 @pytest.mark.parametrize("how", ["in_place", "replaced"])
 def test_editing_one_parameters_step_count_between_steps_is_followed(how):
     def edit(model, opt):
@@ -565,6 +577,53 @@ def test_editing_one_parameters_step_count_between_steps_is_followed(how):
             entry["step"] = torch.tensor(0.0)
 
     _edited_run(lambda ps: torch.optim.Adam(ps, lr=0.01), edit)
+
+
+def test_a_replaced_entry_is_followed_after_it_looked_unchanged():
+    """``optimizer.state[p]`` replaced by an equal-looking dict (same keys, same values): the next
+    edit happens in the new dict, and must be followed like one in the old."""
+    def copy_entry(model, opt):
+        opt.state[model[2].weight] = dict(opt.state[model[2].weight])
+
+    def replace_step(model, opt):
+        opt.state[model[2].weight]["step"] = torch.tensor(0.0)
+
+    _edited_run(lambda ps: torch.optim.Adam(ps, lr=0.01), {2: copy_entry, 3: replace_step}, steps=6)
+
+
+def test_a_state_key_the_step_does_not_write_is_watched():
+    """A key Adam neither reads nor writes, added to every entry (one run), then edited in place in
+    one: that parameter leaves the run, and keeps its value (a run's scalar state is written back
+    from its first parameter)."""
+    def add_key(model, opt):
+        for p in model.parameters():
+            opt.state[p]["mark"] = torch.tensor(0.0)
+
+    def edit_key(model, opt):
+        opt.state[model[2].weight]["mark"].fill_(1.0)
+
+    plain, fused, fused_model = _edited_run(lambda ps: torch.optim.Adam(ps, lr=0.01), {2: add_key, 3: edit_key})
+    marks = [fused.state[p]["mark"].item() for p in fused_model.parameters()]
+    assert marks == [plain.state[p]["mark"].item() for p in plain.param_groups[0]["params"]] == [0.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.Adam(ps, lr=0.01), lambda ps: BertAdamLike(ps, lr=0.01)],
+                         ids=["tensor_step", "int_step"])
+def test_only_an_edit_replans_the_runs(make, monkeypatch):
+    """The state check must not see a fused step's own writes as an edit (step counts advanced in
+    place, or Python numbers replaced): only the first step and the one after an edit re-plan."""
+    from bagua_integrations._planner import StepPlanner
+
+    retokens = []
+    retoken = StepPlanner._retoken
+    monkeypatch.setattr(StepPlanner, "_retoken", lambda self: (retokens.append(1), retoken(self))[1])
+    model = TinyNet()
+    opt = fuse_optimizer(make(model.parameters()), compile=False)
+    train(model, opt, batches(4), step=opt.fuse_step)
+    assert len(retokens) == 1
+    opt.state[model.fc2.weight] = dict(opt.state[model.fc2.weight])  # an equal, new entry
+    train(model, opt, batches(3), step=opt.fuse_step)
+    assert len(retokens) == 2
 
 
 def test_parameters_that_are_not_contiguous_keep_their_strides():

@@ -235,6 +235,16 @@ def test_tensor_version_counts_in_place_changes(private_api):
         assert compat.tensor_version(t) == before + 1, changed(name, "an out-of-place add bumped the version")
 
 
+def test_tensor_versions_reads_each_tensors_version(private_api):
+    name = "tensor_versions"
+    with private_api(name):
+        a, b = torch.zeros(()), torch.zeros(3)
+        before = compat.tensor_versions([a, b])
+        assert before == [compat.tensor_version(a), compat.tensor_version(b)], changed(name, f"got {before}")
+        b[1:].fill_(1)  # through a view: views share their base's counter
+        assert compat.tensor_versions([a, b]) == [before[0], before[1] + 1], changed(name, "a view's edit was not counted")
+
+
 # ------------------------------------------------------------------------------ register_state_dict_post_hook
 def test_register_state_dict_post_hook_runs_for_submodules_and_edits_in_place(private_api):
     name = "register_state_dict_post_hook"
@@ -259,7 +269,7 @@ def test_register_state_dict_post_hook_runs_for_submodules_and_edits_in_place(pr
 # ------------------------------------------------------------------------------ coverage of the module
 TESTED = {
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
-    "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "register_state_dict_post_hook",
+    "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "tensor_versions", "register_state_dict_post_hook",
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit",
 }
 
