@@ -390,3 +390,78 @@ def test_one_element_state_reshape_must_be_handled(monkeypatch):
     monkeypatch.setattr(_segmented, "_RESHAPES", set())
     with pytest.raises(NotElementwiseError, match="WeightedMomentum"):
         fuse_optimizer(WeightedMomentum(RankedNet().parameters()), compile=False, on_unsupported="raise")
+
+
+# =========================================================================== compiled: an int step count in the group
+class GroupCountedLamb(torch.optim.Optimizer):
+    """pytorch-optimizer's way of counting: ``group["step"]`` a Python int, bias correction by
+    ``math.pow``; LAMB's per-parameter trust ratio makes it segmented."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import math
+
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            correction = math.sqrt(1.0 - math.pow(beta2, group["step"])) / (1.0 - math.pow(beta1, group["step"]))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["exp_avg"].lerp_(p.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"]) * correction
+                ratio = torch.where(update.norm() > 0, p.norm() / update.norm(), 1.0)
+                p.sub_(update * ratio, alpha=group["lr"])
+
+
+def _compiled_counted(steps=6):
+    def make():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s)) for s in [(256, 256), (256,), (512, 256), (512,)]]
+
+    plain, fused = make(), make()
+    opt_plain = GroupCountedLamb(plain)
+    opt = fuse_optimizer(GroupCountedLamb(fused), compile=True)
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            for a, b in zip(plain, fused):
+                a.grad = torch.randn(a.shape, generator=gen)
+                b.grad = a.grad.clone()
+            opt_plain.step()
+            opt.fuse_step()
+    return plain, fused, opt, caught
+
+
+def test_an_int_step_count_in_the_group_keeps_the_compiled_step():
+    from bagua_integrations._compile import compiler_available
+
+    if not compiler_available():
+        pytest.skip("no working compiler")
+    plain, fused, opt, caught = _compiled_counted()
+    report = fusion_report(opt)
+    assert report.group_paths == ["segmented"] and report.compiled, report
+    assert report.compile_disabled_reason is None and not caught, [str(w.message) for w in caught]
+    for a, b in zip(plain, fused):  # fp32 rounding of a compiled kernel (FMA), not different math
+        assert float((a - b).norm() / a.norm()) < 1e-6
+
+
+def test_a_specialized_step_count_switches_the_compiled_step_off(monkeypatch):
+    """Deliberately broken: math.pow left as Dynamo sees it. The compiled step recompiles and gives up."""
+    import contextlib
+
+    from bagua_integrations import _compile
+
+    if not _compile.compiler_available():
+        pytest.skip("no working compiler")
+    monkeypatch.setattr(_compile, "math_pow_kept_symbolic", contextlib.nullcontext)
+    _, _, opt, _ = _compiled_counted()
+    assert "recompiled" in (fusion_report(opt).compile_disabled_reason or "")

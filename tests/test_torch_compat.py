@@ -162,6 +162,34 @@ def test_dynamo_recompile_limit_lets_one_function_keep_more_graphs(private_api):
         assert len(graphs) == 11, changed(name, f"{len(graphs)} graphs for 11 shapes (Dynamo's default stops at 8)")
 
 
+def test_math_pow_kept_symbolic_keeps_an_int_step_count_from_recompiling(private_api):
+    """Without it, Dynamo guards ``math.pow(beta, group["step"])`` on the step's value: one graph per step."""
+    import math
+
+    name = "math_pow_kept_symbolic"
+    with private_api(name):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        def step(t, group):
+            group["step"] += 1
+            t.mul_(1.0 - math.pow(0.9, group["step"]))
+
+        compiled = torch.compile(step, backend=backend, fullgraph=True)
+        group, eager_group = {"step": 0}, {"step": 0}
+        t, eager_t = torch.ones(3), torch.ones(3)
+        for _ in range(6):
+            with compat.math_pow_kept_symbolic():
+                compiled(t, group)
+            step(eager_t, eager_group)
+        assert math.pow is not compat._math_pow_as_operator  # restored after each call
+        assert len(graphs) <= 2, changed(name, f"{len(graphs)} graphs for 6 steps")
+        assert torch.equal(t, eager_t) and group == eager_group == {"step": 6}
+
+
 # ------------------------------------------------------------------------------ LR-scheduler markers
 def _sgd():
     param = torch.nn.Parameter(torch.ones(2))
@@ -270,7 +298,7 @@ def test_register_state_dict_post_hook_runs_for_submodules_and_edits_in_place(pr
 TESTED = {
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "tensor_versions", "register_state_dict_post_hook",
-    "inductor_reads_thresholds_raised", "dynamo_recompile_limit",
+    "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
 }
 
 
