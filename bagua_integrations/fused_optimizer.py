@@ -1,11 +1,12 @@
-"""Generic fused optimizer: any elementwise PyTorch optimizer, updated over flat buffers.
+"""Generic fused optimizer: any PyTorch optimizer, updated over flat buffers where that is exact.
 
 ``fuse_optimizer(opt)`` keeps ``opt`` an instance of its own class. Its parameters, gradients
 and parameter-shaped state become views of one contiguous buffer per (param group, device,
 dtype), and ``opt.fuse_step()`` runs the optimizer's *own* ``step`` on a few flat tensors
-instead of hundreds of small ones. Whether that is exact is checked first by a probe
-(see ``_probe.py``); optimizers whose update is not elementwise are refused or keep their
-exact unfused step.
+instead of hundreds of small ones. Whether that is exact is decided first, per group, by
+probes on synthetic tensors (``_paths.py``, ``_probe.py``): elementwise steps run on whole flat
+runs, steps that reduce over whole parameters (LAMB, LARS, clipped BertAdam) on segmented runs
+(``_segmented.py``), and anything else keeps its exact unfused step (or, on request, is refused).
 """
 
 from __future__ import annotations

@@ -146,15 +146,21 @@ def test_inductor_reads_thresholds_raised_patches_compile_fx(private_api):
             assert config.realize_reads_threshold == patches["realize_reads_threshold"]
 
 
+def _counting_backend():
+    """A ``torch.compile`` backend that runs each graph as traced, and the list of graphs it got."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
 def test_dynamo_recompile_limit_lets_one_function_keep_more_graphs(private_api):
     name = "dynamo_recompile_limit"
     with private_api(name):
-        graphs = []
-
-        def backend(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-
+        graphs, backend = _counting_backend()
         f = torch.compile(lambda t: t * 2, backend=backend, dynamic=False)
         with compat.dynamo_recompile_limit(12):
             for n in range(1, 12):  # a new static shape each call: one graph each
@@ -168,11 +174,7 @@ def test_math_pow_kept_symbolic_keeps_an_int_step_count_from_recompiling(private
 
     name = "math_pow_kept_symbolic"
     with private_api(name):
-        graphs = []
-
-        def backend(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
+        graphs, backend = _counting_backend()
 
         def step(t, group):
             group["step"] += 1
