@@ -3,7 +3,8 @@
 Phase 1 trains ``TOTAL`` steps without interruption and, at step ``K``, saves each rank's own
 checkpoint (model, optimizer, ``wrapped.algorithm_state_dict()``). Phase 2 runs in new
 processes, starts from different random weights, loads the checkpoint either before
-``bagua_init`` (``algorithm_state=``) or after it (``wrapped.module.load_state_dict`` ...,
+``bagua_init`` (``algorithm_state=``), model and optimizer before it and the algorithm's state
+after it (the natural order), or everything after it (``wrapped.module.load_state_dict`` ...,
 the DDP order), trains the remaining steps and must end bit-identical to phase 1 on every rank.
 A control resumes without the algorithm state (what was possible before) and must differ, so
 the comparison can see a divergence.
@@ -101,6 +102,11 @@ def _resumed(rank, world, folder, keys, order):
             model.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])
             wrapped, _ = init(algorithm_state=checkpoint["algorithm"])
+        elif order == "natural":  # everything loaded first, the algorithm's state after bagua_init
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            wrapped, _ = init()
+            wrapped.load_algorithm_state_dict(checkpoint["algorithm"])
         elif order == "after":
             wrapped, _ = init()
             wrapped.module.load_state_dict(checkpoint["model"])
@@ -141,7 +147,7 @@ def reference(tmp_path_factory):
     return folder, values(run_ranks(_uninterrupted, 2, (folder, list(ALGORITHMS)), timeout=240))
 
 
-@pytest.mark.parametrize("order", ["before", "after", "framework", "gathered"])
+@pytest.mark.parametrize("order", ["before", "natural", "after", "framework", "gathered"])
 def test_resume_equals_uninterrupted(reference, order):
     folder, expected = reference
     got = values(run_ranks(_resumed, 2, (folder, list(ALGORITHMS), order), timeout=240))

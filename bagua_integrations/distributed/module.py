@@ -127,6 +127,8 @@ class BaguaModule(torch.nn.Module, Joinable):
         self.session: Optional[AlgorithmSession] = None
         self.message_size = int(message_size)
         self._reducer_options = dict(delay_reduce=delay_reduce, find_unused_parameters=find_unused_parameters)
+        self._own_weights: Optional[List[torch.Tensor]] = None  # see _sync_initial_weights
+        self._broadcast_fingerprint: Optional[torch.Tensor] = None
         self.autotuner = None  # set by enable_autotune / the first ask_and_update_hyperparameters
         self._handles: list = []
         self.distributed = comm.is_distributed(process_group)
@@ -154,9 +156,7 @@ class BaguaModule(torch.nn.Module, Joinable):
                 timeout=self.timeout,
                 extra_description=[f"broadcast_buffers={bool(broadcast_buffers)}"]
                 + ([self.reducer.describe()] if self.reducer is not None else []),
-                before_attach=(lambda: broadcast_parameters(module, broadcast_buffers, src=self._src,
-                                                            group=process_group, timeout=self.timeout))
-                if sync_initial_weights else None,
+                before_attach=self._sync_initial_weights if sync_initial_weights else None,
             )
         except BaseException:
             self.close()
@@ -169,7 +169,54 @@ class BaguaModule(torch.nn.Module, Joinable):
                 self._handles.append(opt.register_step_post_hook(lambda *_: self._after_step()))
         # weights loaded after bagua_init (wrapped.module.load_state_dict, the DDP order): e.g. BMUF's
         # global model follows them unless its own state is restored too
-        self._handles.append(module.register_load_state_dict_post_hook(lambda *_: self.algorithm.weights_loaded()))
+        self._handles.append(module.register_load_state_dict_post_hook(lambda *_: self._weights_loaded()))
+        if self._own_weights is not None:  # kept until the first step, at most
+            self._handles.append(self.optimizers[0].register_step_pre_hook(lambda *_: self._forget_own_weights()))
+
+    # ------------------------------------------------------------------ this rank's own weights
+    def _synced_tensors(self) -> List[torch.Tensor]:
+        tensors = [p.detach() for p in self.module.parameters()]
+        return tensors + (list(self.module.buffers()) if self.broadcast_buffers else [])
+
+    def _sync_initial_weights(self) -> None:
+        """Broadcast the first rank's weights, keeping this rank's own where replicas may differ.
+
+        A resume in the natural order (``model.load_state_dict``, ``optimizer.load_state_dict``,
+        ``bagua_init``, ``wrapped.load_algorithm_state_dict``) loaded this rank's own weights
+        before the broadcast replaced them; under ``bmuf``/``decentralized`` they differ by rank,
+        so :meth:`load_algorithm_state_dict` puts them back. The copy lives on the CPU and is
+        dropped at the first step or when weights are loaded into the wrapped module.
+        """
+        if self.algorithm.replicas_differ:
+            self._own_weights = [t.to("cpu", copy=True) for t in self._synced_tensors()]
+        broadcast_parameters(self.module, self.broadcast_buffers, src=self._src, group=self.process_group,
+                             timeout=self.timeout)
+        if self._own_weights is not None:
+            self._broadcast_fingerprint = self._fingerprint()
+
+    def _fingerprint(self) -> torch.Tensor:
+        """One float64 sum per tensor: tells whether the weights changed since the broadcast."""
+        sums = [t.detach().double().sum().cpu() for t in self._synced_tensors()]
+        return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
+
+    def _forget_own_weights(self) -> None:
+        self._own_weights = None
+        self._broadcast_fingerprint = None
+
+    def _weights_loaded(self) -> None:
+        self._forget_own_weights()  # the weights just loaded are the ones to train
+        self.algorithm.weights_loaded()
+
+    @torch.no_grad()
+    def _restore_own_weights(self) -> bool:
+        """Put back the weights this rank had before the initial broadcast, if nothing changed them since."""
+        own, self._own_weights = self._own_weights, None
+        if own is None or not torch.equal(self._fingerprint(), self._broadcast_fingerprint):
+            return False
+        for tensor, saved in zip(self._synced_tensors(), own):
+            tensor.copy_(saved)
+        self.algorithm.weights_loaded()
+        return True
 
     def _make_reducer(self) -> Reducer:
         """The gradient buckets over the module's parameters, with the current bucket size."""
@@ -185,8 +232,8 @@ class BaguaModule(torch.nn.Module, Joinable):
         differ (``self.algorithm.replicas_differ``: decentralized, bmuf) **every rank** saves its
         own file, e.g. ``torch.save({"algorithm": wrapped.algorithm_state_dict(), "model":
         wrapped.module.state_dict(), "optimizer": optimizer.state_dict()}, f"ckpt.rank{rank}.pt")``.
-        Restore with :meth:`load_algorithm_state_dict` after ``bagua_init``, or pass it as
-        ``bagua_init(..., algorithm_state=...)`` when the model and optimizer were loaded first.
+        Restore with :meth:`load_algorithm_state_dict` after ``bagua_init`` (the model and
+        optimizer loaded before or after it), or pass it as ``bagua_init(..., algorithm_state=...)``.
         Under ``async`` it settles the background rounds in flight (a collective: call it on
         every rank) and can change the weights: take it *before* the model's state_dict.
         """
@@ -204,6 +251,9 @@ class BaguaModule(torch.nn.Module, Joinable):
         """
         if self.session is None:
             return False
+        if not shared and state.get("weights_differ", True) and state.get("name") == self.algorithm.name:
+            # loaded before bagua_init, then replaced by the first rank's: this rank's own come back
+            self._restore_own_weights()
         return self.session.load_state_dict(state, shared=shared)
 
     # ------------------------------------------------------------------ autotuning (Bagua's API)
