@@ -11,6 +11,7 @@ writes a probe file into it even with ``--no-save``; the default is ``./checkpoi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -70,15 +71,21 @@ COMMON_ARGS = [
 ]
 
 
+# fairseq's tools run with this Python (``-m fairseq_cli.*``), not whatever ``fairseq-train`` is on
+# PATH: a venv's python without the venv activated has no console scripts on PATH, and a pyenv shim
+# may point at another interpreter.
+FAIRSEQ_TRAIN = [sys.executable, "-m", "fairseq_cli.train"]
+FAIRSEQ_PREPROCESS = [sys.executable, "-m", "fairseq_cli.preprocess"]
+
+
 def fairseq_available() -> bool:
-    try:
-        import fairseq  # noqa: F401
-    except ImportError:
-        return False
-    return shutil.which("fairseq-train") is not None and shutil.which("fairseq-preprocess") is not None
+    """Whether fairseq is installed. Installed but broken is not a skip: the tests that need it fail
+    (importing it, or running its tools), so a broken install never turns the fairseq tests quiet."""
+    return importlib.util.find_spec("fairseq") is not None
 
 
-requires_fairseq = pytest.mark.skipif(not fairseq_available(), reason="fairseq (fairseq-train) is not installed")
+requires_fairseq = pytest.mark.skipif(not fairseq_available(), reason="fairseq is not installed (pip install "
+                                      "'bagua-integrations[fairseq]')")
 
 
 def env() -> Dict[str, str]:
@@ -113,7 +120,7 @@ def make_corpus(directory: Path) -> Path:
     write_corpus(directory)
     destdir = directory / "data-bin"
     cmd = [
-        "fairseq-preprocess",
+        *FAIRSEQ_PREPROCESS,
         "--only-source",
         "--trainpref", str(directory / "train.txt"),
         "--validpref", str(directory / "valid.txt"),
@@ -189,7 +196,7 @@ def _command(data, save_dir, args, model, nproc, workdir: Path) -> List[str]:
             "-m", "fairseq_cli.train",
         ]
     else:
-        cmd = [shutil.which("fairseq-train")]
+        cmd = list(FAIRSEQ_TRAIN)
     cmd += [str(data), *model, *COMMON_ARGS]
     # --no-save still creates and probes the save dir (default ./checkpoints): keep it in the run's workdir
     cmd += ["--no-save", "--save-dir", str(workdir / "checkpoints")] if save_dir is None else ["--save-dir", str(save_dir)]
@@ -214,6 +221,7 @@ def _command(data, save_dir, args, model, nproc, workdir: Path) -> List[str]:
 # relaunched once (only that exact signature; wrong numbers still fail) -- loudly: every relaunch warns
 # with RelaunchedRunWarning, which pytest lists with the failed attempt's stderr, so it is counted.
 _GLOO_ABORT = "terminate called without an active exception"
+_DONE_TRAINING = "done training in"  # fairseq_cli.train's last log line
 
 
 class RelaunchedRunWarning(UserWarning):
@@ -261,7 +269,10 @@ class _Started:
             out, err = self._read()
             run = Run(self.cmd, self.proc.returncode, out, err, self.save_dir)
             run.records = parse_records(run.log)
-            if run.returncode != 0 and _GLOO_ABORT in err and "--master_port" in self.cmd and not self.retried:
+            # relaunched only when training had finished before the abort (fairseq logs "done training"):
+            # an abort in the middle of training is a failure like any other
+            if (run.returncode != 0 and _GLOO_ABORT in err and "--master_port" in self.cmd and not self.retried
+                    and _DONE_TRAINING in out + err):
                 warnings.warn(
                     RelaunchedRunWarning(
                         f"a 2-rank fairseq-train run died with the gloo abort {_GLOO_ABORT!r} (exit code "

@@ -1,8 +1,9 @@
 """The fairseq-train harness of the tests (``tests/_fairseq_utils.py``) hides nothing (issue 12, item 7).
 
-* A 2-rank run that died with the gloo abort is relaunched once, and every relaunch warns with
-  :class:`RelaunchedRunWarning` (pytest lists it in its warnings summary) carrying the failed
-  attempt's stderr.
+* A 2-rank run that died with the gloo abort *after training had finished* (fairseq's "done
+  training" line) is relaunched once, and every relaunch warns with :class:`RelaunchedRunWarning`
+  (pytest lists it in its warnings summary) carrying the failed attempt's stderr. An abort before
+  that line is a failure.
 * Runs write nothing into the repository: fairseq-train creates its save dir (``./checkpoints``
   by default) and writes a probe file into it even with ``--no-save``, so every run gets a
   ``--save-dir`` and a working directory of its own, outside the checkout.
@@ -19,6 +20,7 @@ import pytest
 import _fairseq_utils as fu
 
 ABORT = "terminate called without an active exception"
+DONE = "INFO | fairseq_cli.train | done training in 1.0 seconds"
 
 
 def fake_torchrun(tmp_path: Path, script: str) -> "fu._Started":
@@ -35,7 +37,7 @@ def test_a_relaunch_after_the_gloo_abort_warns(tmp_path):
     script = (
         "import pathlib, sys\n"
         f"p = pathlib.Path({str(marker)!r}); n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1))\n"
-        f"sys.exit(0) if n else (sys.stderr.write({ABORT!r} + chr(10)), sys.exit(134))\n"
+        f"sys.exit(0) if n else (sys.stderr.write({DONE!r} + chr(10) + {ABORT!r} + chr(10)), sys.exit(134))\n"
     )
     with pytest.warns(fu.RelaunchedRunWarning, match="gloo abort") as record:
         run = fake_torchrun(tmp_path, script).finish()
@@ -46,12 +48,30 @@ def test_a_relaunch_after_the_gloo_abort_warns(tmp_path):
 
 
 def test_a_run_is_relaunched_only_once_and_a_second_abort_fails(tmp_path):
-    script = f"import sys; sys.stderr.write({ABORT!r}); sys.exit(134)"
+    script = f"import sys; sys.stderr.write({DONE!r} + chr(10) + {ABORT!r}); sys.exit(134)"
     with pytest.warns(fu.RelaunchedRunWarning):
         run = fake_torchrun(tmp_path, script).finish()
     assert run.returncode == 134
     with pytest.raises(AssertionError, match="exited with 134"):
         run.check()
+
+
+def test_an_abort_before_training_finished_is_not_relaunched(tmp_path):
+    script = f"import sys; sys.stderr.write('epoch 001: 50%' + chr(10) + {ABORT!r}); sys.exit(134)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fu.RelaunchedRunWarning)
+        run = fake_torchrun(tmp_path, script).finish()
+    assert run.returncode == 134 and run.relaunched_after is None
+
+
+def test_fairseq_runs_with_this_python_not_the_one_on_path(tmp_path):
+    """A venv's python without the venv activated has no fairseq-train on PATH: the harness does
+    not depend on it (before, all fairseq tests were skipped quietly then)."""
+    for nproc in (1, 2):
+        cmd = fu._command(tmp_path / "data-bin", None, [], fu.LM_ARGS, nproc, tmp_path)
+        assert cmd[0] == sys.executable and "fairseq_cli.train" in cmd
+    assert fu.FAIRSEQ_PREPROCESS[0] == sys.executable
+    assert fu.fairseq_available() == (__import__("importlib").util.find_spec("fairseq") is not None)
 
 
 def test_other_failures_are_not_relaunched(tmp_path):

@@ -7,9 +7,9 @@ beats chance on the generated data. Everything else here is fast and trains noth
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import types
@@ -67,16 +67,11 @@ def load_outputs(out_dir: Path):
 
 
 def fairseq_ready() -> bool:
-    if shutil.which("fairseq-train") is None or shutil.which("fairseq-preprocess") is None:
-        return False
-    try:
-        import fairseq  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """fairseq installed (installed but broken fails the fairseq tests instead of skipping them)."""
+    return importlib.util.find_spec("fairseq") is not None
 
 
-requires_fairseq = pytest.mark.skipif(not fairseq_ready(), reason="fairseq (fairseq-train) is not installed")
+requires_fairseq = pytest.mark.skipif(not fairseq_ready(), reason="fairseq is not installed")
 
 
 # ------------------------------------------------------------------------------------ smoke tests

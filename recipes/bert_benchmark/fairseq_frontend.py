@@ -25,12 +25,12 @@ record (``valid_accuracy``, in percent).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import math
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -72,9 +72,8 @@ def _quiet_root_logger():
 
 def fairseq_available() -> Optional[str]:
     """None when fairseq-train / fairseq-preprocess and fairseq_plugin are usable, else why not."""
-    for tool in ("fairseq-train", "fairseq-preprocess"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not on PATH (pip install 'bagua-integrations[fairseq]')"
+    if importlib.util.find_spec("fairseq") is None:
+        return "fairseq is not installed (pip install 'bagua-integrations[fairseq]')"
     try:
         with _quiet_root_logger():
             import fairseq_plugin  # noqa: F401  (imports fairseq)
@@ -211,7 +210,7 @@ class FairseqPlan:
         running = []
         for name in ("input0", "label"):  # the two binarizations run side by side
             cmd = [
-                shutil.which("fairseq-preprocess"), "--only-source",
+                sys.executable, "-m", "fairseq_cli.preprocess", "--only-source",
                 "--trainpref", os.path.join(raw, f"train.{name}"),
                 "--validpref", os.path.join(raw, f"valid.{name}"),
                 "--srcdict", os.path.join(raw, f"dict.{name}.txt"),
@@ -246,7 +245,7 @@ class FairseqPlan:
             cmd += [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(self.nproc),
                     "--master_port", str(_free_port()), "-m", "fairseq_cli.train"]
         else:
-            cmd += [shutil.which("fairseq-train")]
+            cmd += [sys.executable, "-m", "fairseq_cli.train"]  # this Python's fairseq, PATH or not
         cmd += [self.data_bin, "--user-dir", USER_DIR]
         cmd += [
             "--task", "timed_sentence_prediction", "--num-classes", str(self.num_labels),
