@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ._flat import FlatBuffer, Slot
-from ._paths import SEGMENTED, PathChooser
+from ._paths import settings_signature, SEGMENTED, PathChooser
 from ._segmented import MAX_RANK
 from .errors import FusionFallbackWarning, NotElementwiseError, SharedParameterError
 
@@ -93,8 +93,9 @@ class GradHooks:
 class GroupLayout:
     """One param group: its flat buffers, and the parameters always stepped one by one."""
 
-    def __init__(self, params: List[torch.Tensor]):
+    def __init__(self, params: List[torch.Tensor], settings: Tuple = ()):
         self.param_ids = tuple(id(p) for p in params)
+        self.settings = settings  # _paths.settings_signature of the group when its path was chosen
         self.buffers: List[FlatBuffer] = []
         self.per_tensor: List[torch.Tensor] = []
         # True when the group's step is elementwise except for whole-parameter reductions
@@ -204,7 +205,7 @@ class FlatLayout:
 
     def _build_group(self, index: int, group: Dict[str, Any]) -> None:
         params = group["params"]
-        layout = GroupLayout(params)
+        layout = GroupLayout(params, settings_signature(group))
         self.groups[index] = layout
         tied = tied_parameters(params)
         by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
@@ -280,7 +281,9 @@ class FlatLayout:
         return hook
 
     def refresh(self) -> bool:
-        """Lay out groups added with ``add_param_group`` (or whose parameter lists changed).
+        """Lay out groups added with ``add_param_group``, whose parameter lists changed, or whose
+        settings changed in a way the step may branch on (``max_grad_norm`` from 0 to 1.0: the
+        path is chosen again, see ``_paths.settings_signature``).
 
         Returns True when anything was rebuilt.
         """
@@ -288,7 +291,8 @@ class FlatLayout:
         self._check_each_parameter_once()
         for index, group in enumerate(self.optimizer.param_groups):
             layout = self.groups.get(index)
-            if layout is None or layout.param_ids != tuple(id(p) for p in group["params"]):
+            if (layout is None or layout.param_ids != tuple(id(p) for p in group["params"])
+                    or (layout.settings != settings_signature(group) and not self._same_paths(layout, group))):
                 if layout is not None:
                     self.hooks.remove(layout.slots())
                 self._build_group(index, group)
@@ -301,6 +305,15 @@ class FlatLayout:
             if self.on_refresh is not None:
                 self.on_refresh(self)
         return changed
+
+    def _same_paths(self, layout: GroupLayout, group: Dict[str, Any]) -> bool:
+        """Whether the group's new settings keep the paths chosen for it (then nothing is rebuilt:
+        a scheduler that adds its keys, or a flag that changes nothing the step does)."""
+        devices = {p.device for p in group["params"] if p.device.type != "meta"}
+        if {self.paths.choose(group, device).path for device in devices} != set(layout.why):
+            return False
+        layout.settings = settings_signature(group)
+        return True
 
     def remove_hooks(self) -> None:
         self.hooks.remove_all()

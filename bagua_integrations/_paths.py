@@ -54,6 +54,31 @@ def wrapper_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
     return None
 
 
+def _signature(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return value
+        return (value > 0) - (value < 0)
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(_signature(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return "tensor", value.dtype, tuple(value.shape), value.device
+    return type(value).__qualname__
+
+
+def settings_signature(group: Dict[str, Any]) -> Tuple:
+    """What a group's step can branch on in its settings, for telling when its path must be chosen again.
+
+    Exact for flags, strings and ``None``; the sign of a number (0 turns BertAdam's clipping off,
+    -1 its schedule), so that a learning rate, momentum or beta moved by a scheduler every step
+    keeps the group's signature while ``max_grad_norm`` going from 0 to 1.0 changes it."""
+    return tuple((key, _signature(value)) for key, value in group.items() if key not in ("params", "param_names"))
+
+
 class PathChooser:
     """Decides each group's :class:`GroupPath`; cached per group settings and device."""
 
