@@ -17,9 +17,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ._flat import FlatBuffer, Slot
+from ._verify import verify_every
 from ._paths import settings_signature, SEGMENTED, PathChooser
 from ._segmented import MAX_RANK
-from .errors import FusionFallbackWarning, NotElementwiseError, SharedParameterError
+from .errors import FusionFallbackWarning, NotElementwiseError, ShardedParameterError, SharedParameterError
+
+try:  # public from torch 2.5 (the oldest supported release)
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support
+    DTensor = None
 
 ON_UNSUPPORTED = ("raise", "fallback")
 COMPILE_MODES = (True, False, "auto")
@@ -34,8 +40,10 @@ class FusionConfig:
     on_unsupported: str = "fallback"
     assume_elementwise: bool = False
     compile: Any = "auto"
+    verify: Optional[int] = None  # check every N-th fused step against the unfused one (_verify.py)
 
     def __post_init__(self):
+        object.__setattr__(self, "verify", verify_every(self.verify))  # frozen: set once, here
         if self.on_unsupported not in ON_UNSUPPORTED:
             raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
         if self.compile not in COMPILE_MODES:
@@ -177,6 +185,19 @@ class FlatLayout:
                     )
                 seen[id(p)] = (index, i)
 
+    def _check_no_sharded_parameters(self, index: int, group: Dict[str, Any]) -> None:
+        """DTensor parameters (FSDP2, tensor parallelism) hold only this rank's shard, behind
+        DTensor's own dispatch: a flat buffer cannot take them in (it would fail deep inside torch)."""
+        if DTensor is not None:
+            for i, p in enumerate(group["params"]):
+                if isinstance(p, DTensor):
+                    raise ShardedParameterError(
+                        f"{self._param_name(group, index, i, p)} is a DTensor (sharded by FSDP2's fully_shard or "
+                        "tensor parallelism), which fuse_optimizer does not support yet. Use the optimizer unfused "
+                        "for sharded models (torch.optim.AdamW(..., fused=True) or foreach=True are the fast "
+                        "choices there), or fuse it for a model that is not sharded (DDP or bagua_init)"
+                    )
+
     def warn_once(self, key: str, message: str, stacklevel: int) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -204,6 +225,7 @@ class FlatLayout:
         return None
 
     def _build_group(self, index: int, group: Dict[str, Any]) -> None:
+        self._check_no_sharded_parameters(index, group)
         params = group["params"]
         layout = GroupLayout(params, settings_signature(group))
         self.groups[index] = layout

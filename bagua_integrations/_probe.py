@@ -98,16 +98,23 @@ def _probe_clone(optimizer: torch.optim.Optimizer, group: Dict[str, Any], params
     except Exception as exc:
         raise ProbeCopyError(f"{type(exc).__name__}: {exc}") from exc
     clone.state = defaultdict(dict)
-    clone.param_groups = [dict(group, params=params)]
+    # the group's own values are copied too: after a first step some optimizers keep tensors there
+    # (D-Adaptation's running sums), which the probe's steps would otherwise update in place
+    try:
+        settings = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
+    except Exception as exc:
+        raise ProbeCopyError(f"its param group cannot be copied ({type(exc).__name__}: {exc})") from exc
+    clone.param_groups = [dict(settings, params=params)]
     clone._optimizer_step_pre_hooks = OrderedDict()
     clone._optimizer_step_post_hooks = OrderedDict()
     return clone
 
 
 def _user_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
-    """The real parameters, gradients and state tensors of ``optimizer``."""
+    """The real parameters, gradients, state tensors and tensors in param groups of ``optimizer``."""
     out = []
     for group in optimizer.param_groups:
+        out.extend(v for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor))
         for p in group["params"]:
             out.append(p)
             if p.grad is not None:

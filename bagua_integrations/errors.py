@@ -34,9 +34,19 @@ class LayoutChangedError(FusionError):
     """A fused parameter changed device, dtype or shape after fusing."""
 
 
+class ShardedParameterError(FusionError, TypeError):
+    """A parameter is a ``DTensor`` (sharded by FSDP2's ``fully_shard`` or tensor parallelism),
+    which flat buffers cannot hold yet."""
+
+
 class SharedParameterError(FusionError, ValueError):
     """A parameter is listed in two param groups (or twice in one): the unfused optimizer steps it
     once per listing, which one slot of a flat buffer cannot reproduce."""
+
+
+class FusionMismatchError(FusionError):
+    """Verification mode (``fuse_optimizer(opt, verify=N)``) found a fused step that differs from
+    the unfused one; the parameters and state hold the unfused step's result."""
 
 
 class FusionFallbackWarning(UserWarning):

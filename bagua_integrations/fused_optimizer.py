@@ -29,6 +29,7 @@ from ._planner import StepPlan, StepPlanner
 from ._probe import probe_per_tensor_calls
 from ._segmented import NotSegmentable, SegmentedMode
 from ._state_dict import StateDictHooks
+from ._verify import verified
 from ._torch_compat import mark_step_taken, step_keeping_lr_scheduler_marker, unwrapped_step
 from .errors import (
     AlreadyFusedError,
@@ -221,6 +222,36 @@ class Fusion:
             # optimizers scale their update by it): called once here, replayed to each call.
             replay = lambda: loss  # noqa: E731
         self._replay = replay
+        every = self.config.verify
+        if every and self.stats.fused_steps % every == 0:
+            with verified(optimizer, self._run_reference, self._param_names(), self._reducing_params()):
+                self._fused_step(optimizer)
+        else:
+            self._fused_step(optimizer)
+        return loss
+
+    def _param_names(self) -> Dict[int, str]:
+        return {id(p): FlatLayout._param_name(group, index, i, p)
+                for index, group in enumerate(self.optimizer.param_groups) for i, p in enumerate(group["params"])}
+
+    def _reducing_params(self) -> set:
+        """ids of the parameters not on the elementwise path (their steps may reduce over them)."""
+        reducing = set()
+        for index, group in enumerate(self.optimizer.param_groups):
+            layout = self.layout.groups.get(index)  # (None: added since the last step, laid out by this one)
+            per_tensor = {id(q) for q in layout.per_tensor} if layout is not None else set()
+            for p in group["params"]:
+                if layout is None or layout.path != "elementwise" or id(p) in per_tensor:
+                    reducing.add(id(p))
+        return reducing
+
+    def _run_reference(self) -> None:
+        """The optimizer's own unfused step on the real parameters (verification mode)."""
+        raw_step, strips_grad_mode = unwrapped_step(type(self.optimizer))
+        with self._eager_grad_mode(strips_grad_mode):
+            self._call_raw(raw_step)
+
+    def _fused_step(self, optimizer) -> None:
         plan = self.planner.plan(self._run_cap())
         swapped = plan.swapped_state(optimizer.state)
         compiled = []
@@ -252,7 +283,6 @@ class Fusion:
         stats.last_runs = len(plan.runs)
         self._just_fused = True
         mark_step_taken(optimizer)
-        return loss
 
     def _run_optimizer_step(self, plan: StepPlan) -> None:
         """The optimizer's own step (without its hooks) over the swapped-in flat tensors."""
@@ -381,6 +411,7 @@ def fuse_optimizer(
     on_unsupported: str = "fallback",
     assume_elementwise: bool = False,
     compile="auto",
+    verify: Optional[int] = None,
 ) -> torch.optim.Optimizer:
     """Fuse ``optimizer`` in place and return it (still an instance of its own class).
 
@@ -402,6 +433,12 @@ def fuse_optimizer(
             (``torch.compile``/Inductor). ``"auto"`` compiles when the fused buffers hold at least
             2**20 elements and a compiler works; ``True`` always tries; ``False`` stays eager. A
             compile failure falls back to the eager fused step with one warning.
+        verify: every ``verify``-th fused step, also run the optimizer's unfused step on the real
+            parameters and compare (verification mode, like autograd's anomaly mode): a
+            difference beyond rounding restores the unfused result and raises
+            :class:`FusionMismatchError` naming the parameter. ``None`` reads the environment
+            variable ``BAGUA_VERIFY_FUSED`` (unset or 0: off). A checked step costs one unfused
+            step and about three copies of the parameters, gradients and state.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise NotAnOptimizerError(
@@ -423,7 +460,7 @@ def fuse_optimizer(
         raise AlreadyFusedError(
             f"this {type(optimizer).__name__} is already fused; call fuse_optimizer once per optimizer"
         )
-    config = FusionConfig(do_flatten, replace_step, on_unsupported, assume_elementwise, compile)
+    config = FusionConfig(do_flatten, replace_step, on_unsupported, assume_elementwise, compile, verify)
     if not any(group["params"] for group in optimizer.param_groups):
         raise EmptyOptimizerError(
             f"{type(optimizer).__name__} has no parameters to fuse; pass the model's parameters "

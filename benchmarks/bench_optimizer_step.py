@@ -10,6 +10,7 @@ Compile time is measured separately and kept out of the step times.
     python benchmarks/bench_optimizer_step.py --rows elementwise        # BertAdam unclipped, torch AdamW variants
     python benchmarks/bench_optimizer_step.py --rows unfusable          # Adafactor: eager vs compiled per parameter
     python benchmarks/bench_optimizer_step.py --rows traffic            # memory traffic alone, per step pattern
+    python benchmarks/bench_optimizer_step.py --rows verify             # the cost of a step checked by verify=N
     python benchmarks/bench_optimizer_step.py --rows LAMB,fused=True   # rows whose name contains one of these
 
 On CUDA each step is timed with CUDA events (median of --repeats, default 50), the host time of
@@ -80,14 +81,14 @@ def rows(shapes, device="cpu", dtype=torch.float32):
     zero-argument step function and the optimizer."""
 
     def build_with(make, on_unsupported="raise"):
-        def rows_for(fuse=None, torch_compile=False):
+        def rows_for(fuse=None, torch_compile=False, verify=0):
             def build(params):
                 opt = make(params)
                 if torch_compile:
                     return torch.compile(opt.step), opt  # compiles on the first call (in the warm-up)
                 if fuse is None:
                     return opt.step, opt
-                fuse_optimizer(opt, compile=fuse, on_unsupported=on_unsupported)
+                fuse_optimizer(opt, compile=fuse, on_unsupported=on_unsupported, verify=verify)
                 return opt.fuse_step, opt
             return build
         return rows_for
@@ -110,6 +111,8 @@ def rows(shapes, device="cpu", dtype=torch.float32):
         (BASELINE, bert_adam()),
         ("BertAdam fused (segmented), eager", bert_adam(fuse=False)),
         ("BertAdam fused (segmented), compiled", bert_adam(fuse=True)),
+        # verification mode: every step also runs the unfused step and compares (the cost of one checked step)
+        ("BertAdam compiled with verify=1 (every step checked)", bert_adam(fuse=True, verify=1)),
         ("torch.compile(BertAdam.step)", bert_adam(torch_compile=True)),
         ("LAMB per-tensor", lamb()),
         ("LAMB fused (segmented), compiled", lamb(fuse=True)),
@@ -201,6 +204,7 @@ ROW_SETS = {
     "seed": ["BertAdam fused (segmented)", "torch.compile(BertAdam.step)", "LAMB", "Lamb", TRAFFIC],
     "elementwise": ["max_grad_norm=-1", "torch AdamW", "torch.compile(AdamW.step)"],
     "unfusable": ["Adafactor"],
+    "verify": ["BertAdam fused (segmented), compiled", "verify=1"],
     "traffic": [TRAFFIC],
 }
 
@@ -330,6 +334,8 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameters, gradients and state")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per row (median reported); default 5 on cpu, 50 on cuda")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--require-compiled", action="store_true",
+                        help="exit 1 when a fused ', compiled' row ran eagerly (its compiled step fell back) or a row failed")
     parser.add_argument("--rows", default="seed",
                         help="'seed' (default: BertAdam with per-parameter clipping, LAMB, their torch.compile peers), "
                         "'elementwise' (BertAdam without clipping, torch AdamW variants), 'unfusable' (Adafactor: "
@@ -436,11 +442,18 @@ def main(argv=None):
         print(f"| memory-bound estimate ({bytes_per_param} B/param at {bandwidth / 1e9:.0f} GB/s, device copy) | {bound_ms:.2f} | | | {vs_bound} | | {bandwidth / 1e9:.0f} | 100% | |")
     else:
         print(f"| memory-bound estimate ({bytes_per_param} B/param at {bandwidth / 1e9:.1f} GB/s, best of copy/triad) | {bound_ms:.1f} | | {vs_bound} | | {bandwidth / 1e9:.1f} | |")
+    fell_back = [(name, report.compile_disabled_reason or "the last step ran eagerly") for name, _, report, _, _ in built
+                 if name.endswith(", compiled") and report is not None and not (report.compiled or report.per_tensor_compiled)]
+    for name, reason in fell_back:
+        print(f"# COMPILED PATH NOT USED: {name}: {reason}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, params=numel, tensors=len(shapes), hardware=hardware(), bound_ms=bound_ms, rows=results,
                            device=args.device, dtype=args.dtype, repeats=repeats, bytes_per_param=bytes_per_param,
-                           bandwidth_gbps=bandwidth / 1e9), f, indent=2)
+                           bandwidth_gbps=bandwidth / 1e9, compiled_rows_fell_back=fell_back), f, indent=2)
+    if args.require_compiled and (fell_back or failed):
+        print(f"# --require-compiled: {len(fell_back)} compiled row(s) fell back, {len(failed)} row(s) failed", file=sys.stderr)
+        return None
     return results
 
 

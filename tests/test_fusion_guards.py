@@ -54,3 +54,219 @@ def test_a_scheduler_moving_lr_and_momentum_does_not_rebuild_anything():
         opt.fuse_step()
         scheduler.step()
     assert _fusion(opt).layout.generation == generation
+
+
+# =========================================================================== verification mode
+from bagua_integrations import FusionMismatchError  # noqa: E402
+
+
+class ClipsAfterWarmup(torch.optim.Optimizer):
+    """SGD whose per-parameter clipping starts after a warm-up longer than the probes' window."""
+
+    def __init__(self, params, lr=0.1, warmup=4, max_norm=0.01):
+        super().__init__(params, dict(lr=lr, warmup=warmup, max_norm=max_norm))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                if state["step"] > group["warmup"]:
+                    torch.nn.utils.clip_grad_norm_(p, group["max_norm"])
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+class LrMultipliersOnSelf(torch.optim.Optimizer):
+    """Keeps per-parameter learning-rate multipliers on the optimizer, keyed by id(p), outside
+    optimizer.state (as some layer-wise-lr optimizers do)."""
+
+    def __init__(self, params, lr=0.1):
+        params = list(params)
+        super().__init__(params, dict(lr=lr))
+        self.lr_multipliers = {id(p): 0.1 for p in params if p.dim() == 1}  # biases learn slower
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * self.lr_multipliers.get(id(p), 1.0))
+
+
+class SkipsMarkedParameters(torch.optim.Optimizer):
+    """Reads a parameter attribute (``p.no_decay``) that synthetic probe tensors do not have."""
+
+    def __init__(self, params, lr=0.1, weight_decay=0.5):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                decay = 0.0 if getattr(p, "no_decay", False) else group["weight_decay"]
+                p.add_(p.grad + decay * p, alpha=-group["lr"])
+
+
+def _model_with_marked_biases():
+    model = TinyNet()
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.no_decay = True
+    return model
+
+
+CASES = {
+    "a reduction after the probes' window": (TinyNet, ClipsAfterWarmup),
+    "state on the optimizer keyed by id(p)": (TinyNet, LrMultipliersOnSelf),
+    "a parameter attribute": (_model_with_marked_biases, SkipsMarkedParameters),
+}
+
+
+def _train_case(case, fuse, verify=None, steps=8):
+    make_model, make_opt = CASES[case]
+    model = make_model()
+    opt = make_opt(model.parameters())
+    if fuse:
+        opt = fuse_optimizer(opt, compile=False, verify=verify)
+    train(model, opt, batches(steps), step=opt.fuse_step if fuse else None)
+    return model, opt
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_these_cases_are_silently_wrong_without_verification(case):
+    """What the probes cannot see: the reason verification mode exists."""
+    plain, _ = _train_case(case, False)
+    fused, _ = _train_case(case, True)
+    assert max((a - b).abs().max().item() for a, b in zip(plain.parameters(), fused.parameters())) > 1e-4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_verification_catches_them_and_keeps_the_unfused_result(case):
+    make_model, make_opt = CASES[case]
+    plain, fused = make_model(), make_model()
+    plain_opt = make_opt(plain.parameters())
+    opt = fuse_optimizer(make_opt(fused.parameters()), compile=False, verify=1)
+    for step, (x, y) in enumerate(batches(8)):
+        for model, o in ((plain, plain_opt), (fused, opt)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        plain_opt.step()
+        try:
+            opt.fuse_step()
+        except FusionMismatchError as error:
+            assert "param_groups[0]['params'][" in str(error) and "unfused update" in str(error), error
+            break
+    else:
+        pytest.fail(f"{case}: verification did not catch the difference")
+    assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)  # no wrong update stayed in the model
+
+
+def test_the_settings_case_is_caught_by_verification_with_the_guard_off(monkeypatch):
+    monkeypatch.setattr(layout_module, "settings_signature", lambda group: ())
+    with pytest.raises(FusionMismatchError, match="max_grad_norm|unfused update"):
+        _clipping_switched_on_after_two_steps_verified()
+
+
+def _clipping_switched_on_after_two_steps_verified():
+    model = TinyNet()
+    opt = fuse_optimizer(BertAdam(model.parameters(), lr=1e-2, max_grad_norm=0), compile=False, verify=1)
+    data = batches(6)
+    train(model, opt, data[:2], step=opt.fuse_step)
+    for group in opt.param_groups:
+        group["max_grad_norm"] = 0.05
+    train(model, opt, data[2:], step=opt.fuse_step)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_verification_passes_exact_fusions_and_leaves_them_exact(compile):
+    """Verified steps of optimizers that fuse exactly (elementwise, segmented, compiled) raise nothing
+    and train exactly like unfused ones: the reference step leaves no trace."""
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: BertAdam(ps, lr=1e-2, max_grad_norm=0.05),
+                 lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)):
+        plain, fused = TinyNet(), TinyNet()
+        plain_opt, opt = make(plain.parameters()), fuse_optimizer(make(fused.parameters()), compile=compile, verify=2)
+        train(plain, plain_opt, batches(7))
+        train(fused, opt, batches(7), step=opt.fuse_step)
+        # compiled kernels round like fused multiply-adds; over 7 steps that compounds to ~1e-5
+        assert_same_params(plain, fused, rtol=1e-4 if compile else 1e-6, atol=1e-6 if compile else 1e-7)
+
+
+def test_the_environment_variable_turns_verification_on(monkeypatch):
+    monkeypatch.setenv("BAGUA_VERIFY_FUSED", "3")
+    opt = fuse_optimizer(torch.optim.SGD(TinyNet().parameters(), lr=0.1), compile=False)
+    assert _fusion(opt).config.verify == 3
+    monkeypatch.setenv("BAGUA_VERIFY_FUSED", "often")
+    with pytest.raises(ValueError, match="BAGUA_VERIFY_FUSED"):
+        fuse_optimizer(torch.optim.SGD(TinyNet().parameters(), lr=0.1), compile=False)
+
+
+# =========================================================================== named errors
+def _fuse_fsdp2_shards(rank, world):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6 keeps it private
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bagua_integrations import ShardedParameterError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    try:
+        fuse_optimizer(opt)
+    except ShardedParameterError as error:
+        # the optimizer is untouched and still trains unfused
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        return str(error)
+    return None
+
+
+def test_fsdp2_sharded_parameters_get_a_named_error():
+    from _dist_utils import run_ranks, values
+
+    messages = values(run_ranks(_fuse_fsdp2_shards, 2, timeout=120))
+    for message in messages:
+        assert message is not None and "DTensor" in message and "fully_shard" in message, message
+
+
+class RunningSumInGroup(torch.optim.Optimizer):
+    """Keeps a tensor in its param group, updated in place every step (as D-Adaptation does)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr, total=0.0, nesterov=False))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if not torch.is_tensor(group["total"]):
+                group["total"] = torch.zeros(())
+            for p in group["params"]:
+                if p.grad is not None:
+                    group["total"].add_(1.0)
+                    p.add_(p.grad, alpha=-group["lr"] / group["total"].item() ** 0.5)
+
+
+def test_a_re_probe_never_touches_tensors_kept_in_param_groups():
+    """Choosing the path again after a setting changed probes copies of the group (found by the
+    pytorch-optimizer sweep: DAdaptAdam's running sums were advanced by the probe, 1e-2 off)."""
+    runs = []
+    for fuse in (False, True):
+        model = TinyNet()
+        opt = RunningSumInGroup(model.parameters())
+        if fuse:
+            opt = fuse_optimizer(opt, compile=False)
+        data = batches(6)
+        train(model, opt, data[:3], step=opt.fuse_step if fuse else None)
+        for group in opt.param_groups:
+            group["nesterov"] = True  # a flag: the path is chosen again
+        train(model, opt, data[3:], step=opt.fuse_step if fuse else None)
+        runs.append(model)
+    assert_same_params(*runs, rtol=1e-6, atol=1e-7)
