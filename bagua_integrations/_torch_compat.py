@@ -6,7 +6,8 @@ changing the math somewhere else: ``tests/test_torch_compat.py`` exercises each 
 installed torch and fails with the function's name if the private API moved.
 
 Checked on torch 2.1 - 2.13 (the package's supported range); ``CHECKED_ON`` is the newest
-release the tests ran on.
+release the tests ran on. Version branches compare ``_RELEASE`` (the installed release without its
+local ``+cpu``/``+cu130`` part) and name the releases they cover.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 
 CHECKED_ON = "2.13.0"
 
+_RELEASE = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])
+
 __all__ = [
     "CHECKED_ON",
     "unwrapped_step",
@@ -28,6 +31,7 @@ __all__ = [
     "queue_end_of_backward",
     "inductor_backend",
     "inductor_reads_thresholds_raised",
+    "cpu_kernels_truncate_float_min_max",
     "dynamo_recompile_limit",
     "step_keeping_lr_scheduler_marker",
     "mark_step_taken",
@@ -136,6 +140,18 @@ def inductor_reads_thresholds_raised(extra_reads: int) -> dict:
         "realize_reads_threshold": config.realize_reads_threshold + extra_reads,
         "realize_acc_reads_threshold": acc + extra_reads,
     }
+
+
+def cpu_kernels_truncate_float_min_max() -> bool:
+    """Whether Inductor's C++ kernels evaluate a symbolic ``min``/``max`` of floats in int64 (torch < 2.13).
+
+    Private: ``torch.utils._sympy.printers.CppPrinter._print_Max`` / ``_print_Min`` cast both
+    operands to int64, float or not, before torch 2.13 (which casts non-integer ones to double).
+    BertAdam's warmup-linear decay ``max(0.0, (1 - progress) / (1 - warmup))`` of a symbolic step
+    count, inlined into a CPU kernel, was truncated to 0: no update after the warmup (checked on
+    2.6.0 and 2.11.0). Where True, ``_scalar_prologue`` computes such scalars in Python instead.
+    """
+    return _RELEASE < "2.13"
 
 
 def dynamo_recompile_limit(limit: int):

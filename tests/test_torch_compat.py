@@ -146,6 +146,19 @@ def test_inductor_reads_thresholds_raised_patches_compile_fx(private_api):
             assert config.realize_reads_threshold == patches["realize_reads_threshold"]
 
 
+def test_cpu_kernels_truncate_float_min_max_matches_inductors_cpp_printer(private_api):
+    import sympy
+
+    name = "cpu_kernels_truncate_float_min_max"
+    with private_api(name):
+        from torch.utils._sympy.printers import CppPrinter
+
+        x = sympy.Symbol("x", real=True, integer=False)
+        printed = CppPrinter().doprint(sympy.Max(sympy.Float(0.0), x / 3))
+        truncates = "int64_t" in printed and "double" not in printed
+        assert compat.cpu_kernels_truncate_float_min_max() == truncates, changed(name, f"a float max prints as {printed}")
+
+
 def test_dynamo_recompile_limit_lets_one_function_keep_more_graphs(private_api):
     name = "dynamo_recompile_limit"
     with private_api(name):
@@ -299,6 +312,7 @@ TESTED = {
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "tensor_versions", "register_state_dict_post_hook",
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
+    "cpu_kernels_truncate_float_min_max",
 }
 
 
