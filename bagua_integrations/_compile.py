@@ -31,6 +31,8 @@ from torch.overrides import TorchFunctionMode
 from ._torch_compat import (
     dynamo_dispatches_foreach_to_modes,
     dynamo_recompile_limit,
+    floats_need_a_direct_use,
+    floats_used_directly,
     forget_float_specializations,
     inductor_backend,
     math_pow_kept_symbolic,
@@ -106,13 +108,28 @@ def _single_tensor_groups(optimizer):
             group["foreach"] = True
 
 
-def _step_with_scalars_as_operands(optimizer, raw_step, mode=None):
+def _float_hyperparameters(optimizer) -> tuple:
+    """Where the param groups hold floats: ``(group index, key, index in a tuple or None)``."""
+    found = []
+    for i, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if type(value) is float:
+                found.append((i, key, None))
+            elif type(value) in (tuple, list) and len(value) <= 8:
+                found.extend((i, key, j) for j, v in enumerate(value) if type(v) is float)
+    return tuple(found)
+
+
+def _step_with_scalars_as_operands(optimizer, raw_step, mode=None, floats=()):
+    groups = optimizer.param_groups
+    kept = floats_used_directly([groups[i][k] if j is None else groups[i][k][j] for i, k, j in floats])
     if mode is None:
         with ScalarsAsOperands():
             raw_step(optimizer)
     else:  # a segmented step: per-parameter reductions (see _segmented.SegmentedMode)
         with mode, ScalarsAsOperands():  # (dynamo_dispatches_foreach_to_modes ran: foreach calls reach mode)
             raw_step(optimizer)
+    return kept
 
 
 def _describe(exc: BaseException) -> str:
@@ -173,7 +190,8 @@ class CompiledStep:
         try:
             with _single_tensor_groups(optimizer), torch.no_grad(), dynamo_recompile_limit(self.max_graphs + 1), \
                     math_pow_kept_symbolic():
-                self._compiled(optimizer, raw_step, mode)
+                floats = _float_hyperparameters(optimizer) if floats_need_a_direct_use() else ()
+                self._compiled(optimizer, raw_step, mode, floats)
         except Exception as exc:  # fullgraph: a failure happens before any tensor is updated
             self._disable(_describe(exc))
             return False

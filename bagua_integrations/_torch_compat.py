@@ -28,6 +28,8 @@ __all__ = [
     "CHECKED_ON",
     "unwrapped_step",
     "forget_float_specializations",
+    "floats_need_a_direct_use",
+    "floats_used_directly",
     "queue_end_of_backward",
     "inductor_backend",
     "inductor_reads_thresholds_raised",
@@ -77,6 +79,38 @@ def forget_float_specializations() -> None:
     except ImportError:
         return
     TensorifyState.clear()
+
+
+# Torch 2.6 - 2.12: the tensorify pass counts a float input as tensorified only where the float
+# itself is an argument of a tensor op (2.13 counts the free symbols of the argument). Checked on
+# 2.6.0 and 2.11.0 (and fixed on 2.13.0, 2.14.1); 2.12 unchecked, where a direct use is harmless.
+_TENSORIFY_MISSES_FLOATS_IN_EXPRESSIONS = "2.6" <= _RELEASE < "2.13"
+
+
+def floats_need_a_direct_use() -> bool:
+    """Whether compiled steps must call :func:`floats_used_directly` (torch 2.6 - 2.12)."""
+    return _TENSORIFY_MISSES_FLOATS_IN_EXPRESSIONS
+
+
+def floats_used_directly(values) -> "torch.Tensor | None":
+    """Called inside a compiled step with the step's float hyper-parameters (``lr``, ``betas``...):
+    on torch 2.6 - 2.12, a 0-dim tensor that uses each of them directly (the step returns it, so it
+    stays in the graph); elsewhere None, doing nothing.
+
+    Private: Inductor's ``torch.fx.passes._tensorify_python_scalars`` turns a float input that
+    Dynamo made symbolic into a 0-dim tensor input, but before torch 2.13 it records as
+    tensorified only floats that are themselves an argument of a tensor op. A float reached only
+    through an expression (SGD's ``alpha=-lr``, ``1 - lr * weight_decay``) is specialized by the
+    restart that follows: every new learning rate compiles a new graph and the compiled step
+    switches itself off. One direct use (``0 * lr``, a few scalar flops per step) marks the float
+    as tensorified; the expressions are tensorified as before.
+    """
+    if not _TENSORIFY_MISSES_FLOATS_IN_EXPRESSIONS or not values:
+        return None
+    anchor = torch.zeros(())
+    for value in values:
+        anchor = torch.mul(anchor, value)
+    return anchor
 
 
 def _math_pow_as_operator(x, y):

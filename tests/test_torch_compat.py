@@ -93,6 +93,52 @@ def test_forget_float_specializations_clears_dynamos_memory(private_api):
         assert not TensorifyState.should_specialize("zf_bagua_test"), changed(name, "the specialization survived")
 
 
+# ------------------------------------------------------------------------------ floats_used_directly
+def _graphs_under_a_changing_lr(use_directly: bool) -> "tuple[int, torch.Tensor, torch.Tensor]":
+    """SGD's update (``alpha=-lr`` as ScalarsAsOperands rewrites it) compiled with Inductor over 5
+    learning rates; returns (graphs, compiled result, eager result)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return compat.inductor_backend()(gm, example_inputs)
+
+    def step(p, g, group):
+        kept = compat.floats_used_directly([group["lr"]]) if use_directly else None
+        p.add_(g * -group["lr"])
+        return kept
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    p, eager_p, g = torch.ones(8), torch.ones(8), torch.linspace(0, 1, 8)
+    for lr in (0.5, 0.25, 0.125, 0.1, 0.05):
+        compat.forget_float_specializations()  # as CompiledStep does before each call
+        compiled(p, g, {"lr": lr})
+        step(eager_p, g, {"lr": lr})
+    compat.forget_float_specializations()
+    return len(graphs), p, eager_p
+
+
+def test_floats_used_directly_keeps_a_learning_rate_in_an_expression_symbolic(private_api):
+    """Torch 2.6 - 2.12 specialize a float reached only through ``-lr``: one graph per learning rate."""
+    name = "floats_used_directly"
+    from bagua_integrations._compile import compiler_available
+
+    if not compiler_available():
+        pytest.skip("torch.compile does not work here")
+    with private_api(name):
+        torch.compiler.reset()
+        graphs, p, eager_p = _graphs_under_a_changing_lr(use_directly=True)
+        assert graphs <= 2, changed(name, f"{graphs} graphs for 5 learning rates")
+        torch.testing.assert_close(p, eager_p, rtol=1e-6, atol=1e-7)
+        if compat.floats_need_a_direct_use():  # the check above can fail: without it, one graph per lr
+            torch.compiler.reset()
+            graphs, _, _ = _graphs_under_a_changing_lr(use_directly=False)
+            assert graphs > 2, changed("floats_need_a_direct_use", f"torch {torch.__version__} no longer specializes "
+                                       f"a float in an expression ({graphs} graphs): narrow the version branch")
+        else:
+            assert compat.floats_used_directly([0.5]) is None, changed(name, "does something where not needed")
+
+
 # ------------------------------------------------------------------------------ queue_end_of_backward
 def test_queue_end_of_backward_runs_after_every_gradient(private_api):
     name = "queue_end_of_backward"
@@ -312,7 +358,7 @@ TESTED = {
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "tensor_versions", "register_state_dict_post_hook",
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
-    "cpu_kernels_truncate_float_min_max",
+    "floats_used_directly", "floats_need_a_direct_use", "cpu_kernels_truncate_float_min_max",
 }
 
 
