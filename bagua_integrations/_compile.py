@@ -29,6 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._torch_compat import (
+    compiled_steps_unsupported,
     dynamo_dispatches_foreach_to_modes,
     dynamo_recompile_limit,
     floats_need_a_direct_use,
@@ -91,6 +92,17 @@ def compiler_available() -> bool:
         except Exception:  # any failure means "not here"
             _COMPILER_WORKS = False
     return _COMPILER_WORKS
+
+
+def compile_unavailable_reason() -> Optional[str]:
+    """Why no compiled step can run here, decided before any step (the torch release, then a
+    working compiler), or None."""
+    unsupported = compiled_steps_unsupported()
+    if unsupported is not None:
+        return unsupported
+    if not compiler_available():
+        return "torch.compile is not usable here (no working C++ compiler / Triton)"
+    return None
 
 
 @contextmanager

@@ -26,6 +26,7 @@ _RELEASE = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])
 
 __all__ = [
     "CHECKED_ON",
+    "compiled_steps_unsupported",
     "unwrapped_step",
     "forget_float_specializations",
     "floats_need_a_direct_use",
@@ -45,6 +46,22 @@ __all__ = [
     "default_store",
     "process_group_timeout",
 ]
+
+
+def compiled_steps_unsupported() -> "str | None":
+    """Why this torch release cannot run compiled fused steps sanely, or None.
+
+    Torch before 2.6 specializes every Python float a compiled function reads
+    (``torch._dynamo.config.specialize_float``): each new learning rate of a schedule compiles
+    a new graph, and the compiled step would switch itself off after a few steps. Its
+    ``specialize_float=False`` mode passes floats as 0-dim tensors and fails its own guards on
+    them (checked on 2.5.1). Torch 2.6 made changing floats symbolic (the tensorify pass). Decided
+    from the version, before any step: the exact eager fused step runs instead.
+    """
+    if _RELEASE < "2.6":
+        return (f"torch {_RELEASE} recompiles for every new float hyper-parameter (a learning-rate "
+                "schedule would recompile each step); compiled fused steps need torch >= 2.6")
+    return None
 
 
 def unwrapped_step(cls) -> Tuple[Callable, bool]:

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available
+from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason
 from ._per_tensor import Bookkeeping, PerTensorSteps
 from ._layout import FlatLayout, FusionConfig
 from ._planner import StepPlan, StepPlanner
@@ -135,6 +135,7 @@ class Fusion:
         self.layout = FlatLayout(optimizer, config)
         self.planner = StepPlanner(optimizer, self.layout)
         self.stats = FusionStats()
+        self.compile_unavailable: Optional[str] = None  # why compile was asked for and cannot run here
         self.compiled_step = self._compiled_step()
         # An optimizer none of whose groups can be fused: its own step compiled one parameter per call.
         self.per_tensor_reason: Optional[str] = None  # why that is off, when it could apply
@@ -159,11 +160,12 @@ class Fusion:
             return None
         if self.config.compile == "auto" and self.layout.fused_elements() < AUTO_MIN_ELEMENTS:
             return None
-        if not compiler_available():
+        unavailable = compile_unavailable_reason()  # an old torch or no compiler: one warning, now
+        if unavailable is not None:
+            self.compile_unavailable = unavailable
             if self.config.compile is True:
                 warnings.warn(
-                    "torch.compile is not usable here (no working C++ compiler / Triton); the eager "
-                    "fused step runs instead",
+                    f"{unavailable}; the eager fused step runs instead",
                     CompileFallbackWarning,
                     stacklevel=5,  # _compiled_step <- Fusion <- fuse_optimizer <- user
                 )
@@ -179,7 +181,9 @@ class Fusion:
         elements = sum(p.numel() for g in layout.groups.values() for p in g.per_tensor)
         if self.config.compile == "auto" and elements < AUTO_MIN_ELEMENTS:
             return None
-        if not compiler_available():
+        unavailable = compile_unavailable_reason()  # (warned by _compiled_step where compile=True)
+        if unavailable is not None:
+            self.per_tensor_reason = unavailable
             return None
         for group in optimizer.param_groups:
             for device in {p.device for p in group["params"]}:
@@ -529,7 +533,7 @@ def fusion_report(optimizer) -> FusionReport:
         compiled=stats.last_step_compiled,
         compile_graphs=sum(c.graphs for c in compiled),
         compile_seconds=sum(c.compile_seconds for c in compiled),
-        compile_disabled_reason=next((c.disabled_reason for c in compiled if c.disabled_reason), None),
+        compile_disabled_reason=next((c.disabled_reason for c in compiled if c.disabled_reason), fusion.compile_unavailable),
         reasons=dict(layout.reasons),
         step_replaced=fusion.config.replace_step,
         group_paths=[layout.groups[i].path for i in sorted(layout.groups)],

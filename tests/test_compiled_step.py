@@ -13,7 +13,8 @@ from bagua_integrations import _compile
 from bagua_integrations.optim import BertAdam
 
 O = torch.optim
-pytestmark = pytest.mark.skipif(not _compile.compiler_available(), reason="torch.compile does not work here")
+pytestmark = pytest.mark.skipif(_compile.compile_unavailable_reason() is not None,
+                                reason=str(_compile.compile_unavailable_reason()))
 
 CASES = {
     "AdamW": (O.AdamW, dict(lr=1e-2, weight_decay=0.1)),

@@ -297,6 +297,34 @@ def test_add_param_group_after_fusing():
     assert fusion_report(fused).flat_buffers == 3 and fusion_report(fused).fused_params == 5
 
 
+# --------------------------------------------------------------------------- torch releases without compiled steps
+def test_torch_before_2_6_runs_the_eager_step_with_one_warning_up_front(monkeypatch):
+    """An old torch recompiles for every new learning rate: compile=True warns once, when fusing
+    (not after a few recompiles), and every step is the eager fused step's, bit for bit."""
+    from bagua_integrations import CompileFallbackWarning, _torch_compat
+
+    monkeypatch.setattr(_torch_compat, "_RELEASE", torch.torch_version.TorchVersion("2.5.1"))
+    data = batches(6)
+    a, b = TinyNet(), TinyNet()
+    eager = fuse_optimizer(O.SGD(a.parameters(), lr=0.05, momentum=0.9), compile=False)
+    with pytest.warns(CompileFallbackWarning, match=r"torch 2\.5\.1 .*torch >= 2\.6") as caught:
+        old = fuse_optimizer(O.SGD(b.parameters(), lr=0.05, momentum=0.9), compile=True)
+    assert len([w for w in caught if issubclass(w.category, CompileFallbackWarning)]) == 1
+    schedulers = [O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) for opt in (eager, old)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing more while training
+        for model, opt, sched in zip((a, b), (eager, old), schedulers):
+            for x, y in data:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.fuse_step()
+                sched.step()
+    assert_same_params(a, b, rtol=0, atol=0)
+    report = fusion_report(old)
+    assert not report.compiled and report.compile_graphs == 0 and "2.6" in report.compile_disabled_reason
+    assert old._bagua_fusion.compiled_step is None
+
+
 # --------------------------------------------------------------------------- dtypes, AMP, schedulers
 def test_bf16_parameters_match():
     a, plain, b, fused = pair(O.AdamW, dict(lr=1e-2, foreach=False), {}, dtype=torch.bfloat16)
