@@ -209,7 +209,10 @@ def test_cpu_kernels_truncate_float_min_max_matches_inductors_cpp_printer(privat
 
     name = "cpu_kernels_truncate_float_min_max"
     with private_api(name):
-        from torch.utils._sympy.printers import CppPrinter
+        try:
+            from torch.utils._sympy.printers import CppPrinter
+        except ImportError:  # torch 2.5
+            from torch._inductor.codegen.cpp_utils import CppPrinter
 
         x = sympy.Symbol("x", real=True, integer=False)
         printed = CppPrinter().doprint(sympy.Max(sympy.Float(0.0), x / 3))
