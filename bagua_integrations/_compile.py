@@ -94,10 +94,10 @@ def compiler_available() -> bool:
     return _COMPILER_WORKS
 
 
-def compile_unavailable_reason() -> Optional[str]:
-    """Why no compiled step can run here, decided before any step (the torch release, then a
-    working compiler), or None."""
-    unsupported = compiled_steps_unsupported()
+def compile_unavailable_reason(path: str = "elementwise") -> Optional[str]:
+    """Why no compiled step of ``path`` ("elementwise", "segmented", "per-tensor") can run here,
+    decided before any step (the torch release, then a working compiler), or None."""
+    unsupported = compiled_steps_unsupported(path)
     if unsupported is not None:
         return unsupported
     if not compiler_available():

@@ -48,19 +48,33 @@ __all__ = [
 ]
 
 
-def compiled_steps_unsupported() -> "str | None":
-    """Why this torch release cannot run compiled fused steps sanely, or None.
+def compiled_steps_unsupported(path: str = "elementwise") -> "str | None":
+    """Why this torch release cannot compile the fused steps of ``path`` sanely, or None.
 
-    Torch before 2.6 specializes every Python float a compiled function reads
-    (``torch._dynamo.config.specialize_float``): each new learning rate of a schedule compiles
-    a new graph, and the compiled step would switch itself off after a few steps. Its
-    ``specialize_float=False`` mode passes floats as 0-dim tensors and fails its own guards on
-    them (checked on 2.5.1). Torch 2.6 made changing floats symbolic (the tensorify pass). Decided
-    from the version, before any step: the exact eager fused step runs instead.
+    ``path`` is a param group's path (``_paths``): "elementwise" (the optimizer's own step over
+    flat runs), "segmented" (the same under ``_segmented.SegmentedMode``, a torch function mode)
+    or "per-tensor" (its own step, one parameter per call). Decided from the release, before any
+    step; the exact eager step of that path runs instead. Checked on 2.5.1, 2.6.0, 2.8.0, 2.9.1,
+    2.10.0, 2.11.0:
+
+    * before 2.6, every path: Dynamo specializes every Python float a compiled function reads
+      (``torch._dynamo.config.specialize_float``), so each new learning rate of a schedule
+      compiles a new graph; its ``specialize_float=False`` mode fails its own guards on floats.
+    * "segmented" before 2.11: Dynamo does not trace the mode's ``func in <set of functions>``
+      (before 2.9), nor ``torch._C._group_tensors_by_device_and_dtype`` inside a mode (what
+      ``clip_grad_norm_(foreach=True)`` calls: BertAdam; before 2.11).
+    * "per-tensor" before 2.10: Dynamo does not trace ``Tensor.item()`` without
+      ``capture_scalar_outputs``, which the optimizers on that path read (``torch.optim.Adafactor``).
     """
     if _RELEASE < "2.6":
         return (f"torch {_RELEASE} recompiles for every new float hyper-parameter (a learning-rate "
                 "schedule would recompile each step); compiled fused steps need torch >= 2.6")
+    if path == "segmented" and _RELEASE < "2.11":
+        return (f"torch {_RELEASE} cannot compile a step under the segmented path's torch function mode "
+                "(clip_grad_norm_'s foreach grouping, set lookups); compiled segmented steps need torch >= 2.11")
+    if path == "per-tensor" and _RELEASE < "2.10":
+        return (f"torch {_RELEASE} cannot compile a step that reads Tensor.item(); compiled per-tensor steps "
+                "need torch >= 2.10")
     return None
 
 

@@ -94,13 +94,15 @@ def test_forget_float_specializations_clears_dynamos_memory(private_api):
 
 
 # ------------------------------------------------------------------------------ compiled_steps_unsupported
-def test_compiled_steps_unsupported_names_releases_before_2_6():
+@pytest.mark.parametrize("path, oldest", [("elementwise", "2.6"), ("segmented", "2.11"), ("per-tensor", "2.10")])
+def test_compiled_steps_unsupported_names_the_releases_before_the_oldest_that_works(path, oldest):
+    """The thresholds themselves are checked by the compiled-step tests, run on those releases."""
     name = "compiled_steps_unsupported"
-    reason = compat.compiled_steps_unsupported()
-    old = compat._RELEASE < "2.6"
-    assert (reason is not None) == old, changed(name, f"release {compat._RELEASE}: {reason!r}")
+    reason = compat.compiled_steps_unsupported(path)
+    old = compat._RELEASE < oldest
+    assert (reason is not None) == old, changed(name, f"release {compat._RELEASE}, {path}: {reason!r}")
     if old:
-        assert str(compat._RELEASE) in reason and "2.6" in reason, reason
+        assert str(compat._RELEASE) in reason and (oldest in reason or "2.6" in reason), reason
 
 
 # ------------------------------------------------------------------------------ floats_used_directly
@@ -432,8 +434,8 @@ def test_dynamo_dispatches_foreach_to_modes_routes_clip_grad_norm_through_a_trac
     from torch.overrides import TorchFunctionMode
 
     name = "dynamo_dispatches_foreach_to_modes"
-    if compat.compiled_steps_unsupported():  # only compiled (segmented) steps need it
-        pytest.skip(compat.compiled_steps_unsupported())
+    if compat.compiled_steps_unsupported("segmented"):  # only compiled segmented steps need it
+        pytest.skip(compat.compiled_steps_unsupported("segmented"))
 
     class Doubling(TorchFunctionMode):  # foreach norms come back doubled: visible in the result
         def __torch_function__(self, func, types, args=(), kwargs=None):
