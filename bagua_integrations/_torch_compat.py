@@ -6,7 +6,8 @@ changing the math somewhere else: ``tests/test_torch_compat.py`` exercises each 
 installed torch and fails with the function's name if the private API moved.
 
 Checked on torch 2.1 - 2.13 (the package's supported range); ``CHECKED_ON`` is the newest
-release the tests ran on. Version branches compare ``_RELEASE`` (the installed release without its
+release the tests ran on. The compiled-step tests also ran on 2.5.1, 2.6.0, 2.10.0, 2.11.0 and
+2.14.1 (the version branches below). Version branches compare ``_RELEASE`` (the installed release without its
 local ``+cpu``/``+cu130`` part) and name the releases they cover.
 """
 
