@@ -29,8 +29,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._torch_compat import (
+    compiled_steps_unsupported,
     dynamo_dispatches_foreach_to_modes,
     dynamo_recompile_limit,
+    floats_need_a_direct_use,
+    floats_used_directly,
     forget_float_specializations,
     inductor_backend,
     math_pow_kept_symbolic,
@@ -91,6 +94,17 @@ def compiler_available() -> bool:
     return _COMPILER_WORKS
 
 
+def compile_unavailable_reason(path: str = "elementwise") -> Optional[str]:
+    """Why no compiled step of ``path`` ("elementwise", "segmented", "per-tensor") can run here,
+    decided before any step (the torch release, then a working compiler), or None."""
+    unsupported = compiled_steps_unsupported(path)
+    if unsupported is not None:
+        return unsupported
+    if not compiler_available():
+        return "torch.compile is not usable here (no working C++ compiler / Triton)"
+    return None
+
+
 @contextmanager
 def _single_tensor_groups(optimizer):
     """torch.optim groups take their single-tensor code path while the compiled step runs."""
@@ -106,13 +120,28 @@ def _single_tensor_groups(optimizer):
             group["foreach"] = True
 
 
-def _step_with_scalars_as_operands(optimizer, raw_step, mode=None):
+def _float_hyperparameters(optimizer) -> tuple:
+    """Where the param groups hold floats: ``(group index, key, index in a tuple or None)``."""
+    found = []
+    for i, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if type(value) is float:
+                found.append((i, key, None))
+            elif type(value) in (tuple, list) and len(value) <= 8:
+                found.extend((i, key, j) for j, v in enumerate(value) if type(v) is float)
+    return tuple(found)
+
+
+def _step_with_scalars_as_operands(optimizer, raw_step, mode=None, floats=()):
+    groups = optimizer.param_groups
+    kept = floats_used_directly([groups[i][k] if j is None else groups[i][k][j] for i, k, j in floats])
     if mode is None:
         with ScalarsAsOperands():
             raw_step(optimizer)
     else:  # a segmented step: per-parameter reductions (see _segmented.SegmentedMode)
         with mode, ScalarsAsOperands():  # (dynamo_dispatches_foreach_to_modes ran: foreach calls reach mode)
             raw_step(optimizer)
+    return kept
 
 
 def _describe(exc: BaseException) -> str:
@@ -173,7 +202,8 @@ class CompiledStep:
         try:
             with _single_tensor_groups(optimizer), torch.no_grad(), dynamo_recompile_limit(self.max_graphs + 1), \
                     math_pow_kept_symbolic():
-                self._compiled(optimizer, raw_step, mode)
+                floats = _float_hyperparameters(optimizer) if floats_need_a_direct_use() else ()
+                self._compiled(optimizer, raw_step, mode, floats)
         except Exception as exc:  # fullgraph: a failure happens before any tensor is updated
             self._disable(_describe(exc))
             return False

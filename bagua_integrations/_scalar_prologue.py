@@ -14,6 +14,9 @@ float64 beside float64 tensors) that a small Python prologue computes from the r
 every call; Inductor then sees a plain load. CPU kernels only (see ``_hoistable``). The values are the ones eager computes (a Python
 float in double precision, rounded to the compute type where the kernel uses it), and the rest
 of the graph is unchanged.
+
+Torch before 2.13 also gets a ``min``/``max`` of floats hoisted, for correctness: its C++
+kernels evaluate them in int64 (``_torch_compat.cpu_kernels_truncate_float_min_max``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.fx
 
-from ._torch_compat import inductor_reads_thresholds_raised
+from ._torch_compat import cpu_kernels_truncate_float_min_max, inductor_reads_thresholds_raised
 
 __all__ = ["with_scalar_prologue"]
 
@@ -35,6 +38,8 @@ _TRANSCENDENTAL = {operator.pow, math.pow, math.exp, math.log, math.sqrt, math.s
 # pure scalar arithmetic a prologue may replay
 _PURE = _TRANSCENDENTAL | {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.floordiv,
                            operator.mod, abs, float, int, min, max, torch.sym_float, torch.sym_max, torch.sym_min}
+# min/max of floats, which some torch releases' C++ kernels evaluate in int64 (wrong, not slow)
+_MIN_MAX = {min, max, torch.sym_max, torch.sym_min}
 
 
 def _is_symbolic_scalar(node: torch.fx.Node) -> bool:
@@ -46,8 +51,13 @@ def _big_tensor(node: torch.fx.Node) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
 
+def _is_float_scalar(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("example_value"), (torch.SymFloat, float))
+
+
 def _hoistable(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
     """Scalar nodes to compute in the prologue, in graph order."""
+    truncating_min_max = cpu_kernels_truncate_float_min_max()
     replayable: Dict[torch.fx.Node, bool] = {}
     expensive: Dict[torch.fx.Node, bool] = {}
     for node in gm.graph.nodes:  # topological order
@@ -57,7 +67,8 @@ def _hoistable(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
         elif node.op == "call_function" and node.target in _PURE and _is_symbolic_scalar(node):
             inputs = node.all_input_nodes
             replayable[node] = all(replayable.get(a, False) for a in inputs)
-            expensive[node] = node.target in _TRANSCENDENTAL or any(expensive.get(a, False) for a in inputs)
+            expensive[node] = (node.target in _TRANSCENDENTAL or any(expensive.get(a, False) for a in inputs)
+                               or (truncating_min_max and node.target in _MIN_MAX and _is_float_scalar(node)))
         else:
             replayable[node] = expensive[node] = False
     chosen = []

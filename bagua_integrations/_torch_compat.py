@@ -6,7 +6,9 @@ changing the math somewhere else: ``tests/test_torch_compat.py`` exercises each 
 installed torch and fails with the function's name if the private API moved.
 
 Checked on torch 2.1 - 2.13 (the package's supported range); ``CHECKED_ON`` is the newest
-release the tests ran on.
+release the tests ran on. The compiled-step tests also ran on 2.5.1, 2.6.0, 2.10.0, 2.11.0 and
+2.14.1 (the version branches below). Version branches compare ``_RELEASE`` (the installed release without its
+local ``+cpu``/``+cu130`` part) and name the releases they cover.
 """
 
 from __future__ import annotations
@@ -21,13 +23,19 @@ import torch
 
 CHECKED_ON = "2.13.0"
 
+_RELEASE = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])
+
 __all__ = [
     "CHECKED_ON",
+    "compiled_steps_unsupported",
     "unwrapped_step",
     "forget_float_specializations",
+    "floats_need_a_direct_use",
+    "floats_used_directly",
     "queue_end_of_backward",
     "inductor_backend",
     "inductor_reads_thresholds_raised",
+    "cpu_kernels_truncate_float_min_max",
     "dynamo_recompile_limit",
     "step_keeping_lr_scheduler_marker",
     "mark_step_taken",
@@ -39,6 +47,36 @@ __all__ = [
     "default_store",
     "process_group_timeout",
 ]
+
+
+def compiled_steps_unsupported(path: str = "elementwise") -> "str | None":
+    """Why this torch release cannot compile the fused steps of ``path`` sanely, or None.
+
+    ``path`` is a param group's path (``_paths``): "elementwise" (the optimizer's own step over
+    flat runs), "segmented" (the same under ``_segmented.SegmentedMode``, a torch function mode)
+    or "per-tensor" (its own step, one parameter per call). Decided from the release, before any
+    step; the exact eager step of that path runs instead. Checked on 2.5.1, 2.6.0, 2.8.0, 2.9.1,
+    2.10.0, 2.11.0:
+
+    * before 2.6, every path: Dynamo specializes every Python float a compiled function reads
+      (``torch._dynamo.config.specialize_float``), so each new learning rate of a schedule
+      compiles a new graph; its ``specialize_float=False`` mode fails its own guards on floats.
+    * "segmented" before 2.11: Dynamo does not trace the mode's ``func in <set of functions>``
+      (before 2.9), nor ``torch._C._group_tensors_by_device_and_dtype`` inside a mode (what
+      ``clip_grad_norm_(foreach=True)`` calls: BertAdam; before 2.11).
+    * "per-tensor" before 2.10: Dynamo does not trace ``Tensor.item()`` without
+      ``capture_scalar_outputs``, which the optimizers on that path read (``torch.optim.Adafactor``).
+    """
+    if _RELEASE < "2.6":
+        return (f"torch {_RELEASE} recompiles for every new float hyper-parameter (a learning-rate "
+                "schedule would recompile each step); compiled fused steps need torch >= 2.6")
+    if path == "segmented" and _RELEASE < "2.11":
+        return (f"torch {_RELEASE} cannot compile a step under the segmented path's torch function mode "
+                "(clip_grad_norm_'s foreach grouping, set lookups); compiled segmented steps need torch >= 2.11")
+    if path == "per-tensor" and _RELEASE < "2.10":
+        return (f"torch {_RELEASE} cannot compile a step that reads Tensor.item(); compiled per-tensor steps "
+                "need torch >= 2.10")
+    return None
 
 
 def unwrapped_step(cls) -> Tuple[Callable, bool]:
@@ -73,6 +111,38 @@ def forget_float_specializations() -> None:
     except ImportError:
         return
     TensorifyState.clear()
+
+
+# Torch 2.6 - 2.12: the tensorify pass counts a float input as tensorified only where the float
+# itself is an argument of a tensor op (2.13 counts the free symbols of the argument). Checked on
+# 2.6.0 and 2.11.0 (and fixed on 2.13.0, 2.14.1); 2.12 unchecked, where a direct use is harmless.
+_TENSORIFY_MISSES_FLOATS_IN_EXPRESSIONS = "2.6" <= _RELEASE < "2.13"
+
+
+def floats_need_a_direct_use() -> bool:
+    """Whether compiled steps must call :func:`floats_used_directly` (torch 2.6 - 2.12)."""
+    return _TENSORIFY_MISSES_FLOATS_IN_EXPRESSIONS
+
+
+def floats_used_directly(values) -> "torch.Tensor | None":
+    """Called inside a compiled step with the step's float hyper-parameters (``lr``, ``betas``...):
+    on torch 2.6 - 2.12, a 0-dim tensor that uses each of them directly (the step returns it, so it
+    stays in the graph); elsewhere None, doing nothing.
+
+    Private: Inductor's ``torch.fx.passes._tensorify_python_scalars`` turns a float input that
+    Dynamo made symbolic into a 0-dim tensor input, but before torch 2.13 it records as
+    tensorified only floats that are themselves an argument of a tensor op. A float reached only
+    through an expression (SGD's ``alpha=-lr``, ``1 - lr * weight_decay``) is specialized by the
+    restart that follows: every new learning rate compiles a new graph and the compiled step
+    switches itself off. One direct use (``0 * lr``, a few scalar flops per step) marks the float
+    as tensorified; the expressions are tensorified as before.
+    """
+    if not _TENSORIFY_MISSES_FLOATS_IN_EXPRESSIONS or not values:
+        return None
+    anchor = torch.zeros(())
+    for value in values:
+        anchor = torch.mul(anchor, value)
+    return anchor
 
 
 def _math_pow_as_operator(x, y):
@@ -136,6 +206,18 @@ def inductor_reads_thresholds_raised(extra_reads: int) -> dict:
         "realize_reads_threshold": config.realize_reads_threshold + extra_reads,
         "realize_acc_reads_threshold": acc + extra_reads,
     }
+
+
+def cpu_kernels_truncate_float_min_max() -> bool:
+    """Whether Inductor's C++ kernels evaluate a symbolic ``min``/``max`` of floats in int64 (torch < 2.13).
+
+    Private: ``torch.utils._sympy.printers.CppPrinter._print_Max`` / ``_print_Min`` cast both
+    operands to int64, float or not, before torch 2.13 (which casts non-integer ones to double).
+    BertAdam's warmup-linear decay ``max(0.0, (1 - progress) / (1 - warmup))`` of a symbolic step
+    count, inlined into a CPU kernel, was truncated to 0: no update after the warmup (checked on
+    2.6.0 and 2.11.0). Where True, ``_scalar_prologue`` computes such scalars in Python instead.
+    """
+    return _RELEASE < "2.13"
 
 
 def dynamo_recompile_limit(limit: int):

@@ -22,9 +22,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compiler_available
+from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason
 from ._per_tensor import Bookkeeping, PerTensorSteps
 from ._layout import FlatLayout, FusionConfig
+from ._paths import PER_TENSOR, SEGMENTED
 from ._planner import StepPlan, StepPlanner
 from ._probe import probe_per_tensor_calls
 from ._segmented import NotSegmentable, SegmentedMode
@@ -137,6 +138,7 @@ class Fusion:
         self.layout = FlatLayout(optimizer, config)
         self.planner = StepPlanner(optimizer, self.layout)
         self.stats = FusionStats()
+        self.compile_unavailable: Optional[str] = None  # why compile was asked for and cannot run here
         self.compiled_step = self._compiled_step()
         # An optimizer none of whose groups can be fused: its own step compiled one parameter per call.
         self.per_tensor_reason: Optional[str] = None  # why that is off, when it could apply
@@ -144,6 +146,8 @@ class Fusion:
         # Per segmented call (runs told apart by shape): its mode, kept while the layout holds so
         # that compiled graphs stay valid, and its own compiled step (graphs, recompile budget).
         self.segmented: Dict[Tuple[str, ...], Tuple[SegmentedMode, Optional[CompiledStep]]] = {}
+        if self.compiled_step is not None and any(g.path == SEGMENTED for g in self.layout.groups.values()):
+            self._segmented_compile_refused()  # warned now, where this torch cannot compile them
         self.step_before_fusing = optimizer.__dict__.get("step")  # restored by unfuse()
         self._just_fused = False  # set by a fused step, consumed by its own post-hook
         self._replay = None  # during a step given a closure: the closure the optimizer's own step gets
@@ -161,16 +165,25 @@ class Fusion:
             return None
         if self.config.compile == "auto" and self.layout.fused_elements() < AUTO_MIN_ELEMENTS:
             return None
-        if not compiler_available():
-            if self.config.compile is True:
-                warnings.warn(
-                    "torch.compile is not usable here (no working C++ compiler / Triton); the eager "
-                    "fused step runs instead",
-                    CompileFallbackWarning,
-                    stacklevel=5,  # _compiled_step <- Fusion <- fuse_optimizer <- user
-                )
+        unavailable = compile_unavailable_reason()  # an old torch or no compiler: one warning, now
+        if unavailable is not None:
+            self._warn_compile_off(unavailable, stacklevel=6)  # <- _compiled_step <- Fusion <- fuse_optimizer <- user
             return None
         return CompiledStep()
+
+    def _warn_compile_off(self, reason: str, stacklevel: int) -> None:
+        """The one up-front warning, where compile=True asked for what cannot run here (an old torch,
+        no compiler); the reason goes to ``fusion_report().compile_disabled_reason``."""
+        if self.config.compile is True and self.compile_unavailable is None:
+            warnings.warn(f"{reason}; the eager fused step runs instead", CompileFallbackWarning, stacklevel=stacklevel)
+        self.compile_unavailable = self.compile_unavailable or reason
+
+    def _segmented_compile_refused(self) -> bool:
+        """Whether segmented calls stay eager on this torch (warned once, up front where possible)."""
+        unavailable = compile_unavailable_reason(SEGMENTED)
+        if unavailable is not None:
+            self._warn_compile_off(unavailable, stacklevel=6)  # <- _segmented_compile_refused <- Fusion <- fuse_optimizer <- user
+        return unavailable is not None
 
     def _per_tensor_steps(self) -> Optional[PerTensorSteps]:
         layout, optimizer = self.layout, self.optimizer
@@ -181,7 +194,10 @@ class Fusion:
         elements = sum(p.numel() for g in layout.groups.values() for p in g.per_tensor)
         if self.config.compile == "auto" and elements < AUTO_MIN_ELEMENTS:
             return None
-        if not compiler_available():
+        unavailable = compile_unavailable_reason(PER_TENSOR)
+        if unavailable is not None:
+            self.per_tensor_reason = unavailable
+            self._warn_compile_off(unavailable, stacklevel=6)  # <- _per_tensor_steps <- Fusion <- fuse_optimizer <- user
             return None
         for group in optimizer.param_groups:
             for device in {p.device for p in group["params"]}:
@@ -357,7 +373,8 @@ class Fusion:
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
         key = tuple(seg.key for seg in segmentations)
         if key not in self.segmented:
-            mode, compiled = SegmentedMode(segmentations), self.compiled_step and CompiledStep()
+            compiled = None if self.compiled_step is None or self._segmented_compile_refused() else CompiledStep()
+            mode = SegmentedMode(segmentations)
             if compiled is not None:  # the compiled step's per-block index, built once per layout
                 for group in optimizer.param_groups:
                     for proxy in group["params"]:
@@ -567,7 +584,7 @@ def fusion_report(optimizer) -> FusionReport:
         compiled=stats.last_step_compiled,
         compile_graphs=sum(c.graphs for c in compiled),
         compile_seconds=sum(c.compile_seconds for c in compiled),
-        compile_disabled_reason=next((c.disabled_reason for c in compiled if c.disabled_reason), None),
+        compile_disabled_reason=next((c.disabled_reason for c in compiled if c.disabled_reason), fusion.compile_unavailable),
         reasons=dict(layout.reasons),
         step_replaced=fusion.config.replace_step,
         group_paths=[layout.groups[i].path for i in sorted(layout.groups)],

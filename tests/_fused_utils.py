@@ -34,13 +34,13 @@ def batches(steps: int, dtype=torch.float32):
     return [(torch.randn(16, 6, generator=gen).to(dtype), torch.randn(16, 3, generator=gen).to(dtype)) for _ in range(steps)]
 
 
-def train(model, optimizer, data, step=None, set_to_none=True):
+def train(model, optimizer, data, step=None, set_to_none=True, loss_fn=torch.nn.functional.mse_loss):
     """Plain loop: zero_grad(set_to_none), forward, backward, step. Returns the losses."""
     step = step or optimizer.step
     losses = []
     for x, y in data:
         optimizer.zero_grad(set_to_none=set_to_none)
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         step()
         losses.append(loss.item())

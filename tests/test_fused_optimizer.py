@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 import pytest
@@ -297,12 +298,55 @@ def test_add_param_group_after_fusing():
     assert fusion_report(fused).flat_buffers == 3 and fusion_report(fused).fused_params == 5
 
 
+# --------------------------------------------------------------------------- torch releases without compiled steps
+OLD_TORCH = {  # a release too old to compile a path -> an optimizer taking that path, the warning
+    "2.5.1": (lambda ps: O.SGD(ps, lr=0.05, momentum=0.9), r"torch 2\.5\.1 .*torch >= 2\.6"),
+    "2.10.0": (lambda ps: BertAdam(ps, lr=1e-2, max_grad_norm=1.0), r"torch 2\.10\.0 .*segmented steps need torch >= 2\.11"),
+    "2.9.1": (lambda ps: O.Adafactor(ps, lr=1e-2), r"torch 2\.9\.1 .*per-tensor steps need torch >= 2\.10"),
+}
+
+
+@pytest.mark.parametrize("release", sorted(OLD_TORCH))
+def test_a_torch_too_old_to_compile_a_path_runs_its_eager_step_with_one_warning_up_front(monkeypatch, release):
+    """compile=True warns once, when fusing (not after a few recompiles or a failed compile), and
+    every step is the eager fused step's, bit for bit (_torch_compat.compiled_steps_unsupported)."""
+    from bagua_integrations import CompileFallbackWarning, _torch_compat
+
+    make, message = OLD_TORCH[release]
+    monkeypatch.setattr(_torch_compat, "_RELEASE", torch.torch_version.TorchVersion(release))
+    data = batches(6)
+    a, b = TinyNet(), TinyNet()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Adafactor: its FusionFallbackWarning)
+        eager = fuse_optimizer(make(a.parameters()), compile=False)
+    with pytest.warns(Warning) as caught:
+        old = fuse_optimizer(make(b.parameters()), compile=True)
+    compile_warnings = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    assert len(compile_warnings) == 1 and re.search(message, compile_warnings[0]), compile_warnings
+    schedulers = [O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) for opt in (eager, old)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing more while training
+        for model, opt, sched in zip((a, b), (eager, old), schedulers):
+            for x, y in data:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.fuse_step()
+                sched.step()
+    assert_same_params(a, b, rtol=0, atol=0)
+    report = fusion_report(old)
+    assert not report.compiled and report.compile_graphs == 0 and re.search(message, report.compile_disabled_reason)
+
+
 # --------------------------------------------------------------------------- dtypes, AMP, schedulers
 def test_bf16_parameters_match():
     a, plain, b, fused = pair(O.AdamW, dict(lr=1e-2, foreach=False), {}, dtype=torch.bfloat16)
     data = batches(8, dtype=torch.bfloat16)
-    train(a, plain, data)
-    train(b, fused, data, step=fused.fuse_step)
+
+    def loss_fn(out, y):  # in fp32: torch 2.5 has no bf16 mse_loss on CPU (the gradients stay bf16)
+        return torch.nn.functional.mse_loss(out.float(), y.float())
+
+    train(a, plain, data, loss_fn=loss_fn)
+    train(b, fused, data, step=fused.fuse_step, loss_fn=loss_fn)
     assert_same_params(a, b, rtol=0, atol=0)
     assert fusion_report(fused).fused_params == 4
 

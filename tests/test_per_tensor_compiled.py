@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from bagua_integrations import fuse_optimizer, fusion_report
-from bagua_integrations._compile import compiler_available
+from bagua_integrations._compile import compile_unavailable_reason
 
-pytestmark = pytest.mark.skipif(not compiler_available(), reason="needs a working torch.compile (C++ compiler)")
+pytestmark = pytest.mark.skipif(compile_unavailable_reason("per-tensor") is not None,
+                                reason=str(compile_unavailable_reason("per-tensor")))
 
 SHAPES = [(40, 24), (24,), (24, 40), (40, 24), (24,)]  # 3 distinct shapes, ranks 1 and 2
 STEPS = 6

@@ -86,3 +86,25 @@ def test_a_graph_without_such_scalars_is_compiled_as_it_was():
     compiled(t, 0.5)
     assert torch.equal(t, torch.full((10,), 0.375))
     assert all(not names for names in spy.hoisted())
+
+
+def warmup_linear_step(param, update, state, warmup=0.3, t_total=12):
+    """BertAdam's scheduled learning rate: a float max() of the symbolic step count."""
+    progress = state["step"] / t_total
+    scale = progress / warmup if progress < warmup else max(0.0, (1.0 - progress) / max(1e-12, 1.0 - warmup))
+    param.add_(update * -(1e-3 * scale))
+    state["step"] += 1
+
+
+def test_a_float_max_of_the_step_gives_the_eager_numbers():
+    """Torch < 2.13 evaluates a float max() inlined into a C++ kernel in int64 (0 after the warmup
+    here); the prologue computes it in Python there (cpu_kernels_truncate_float_min_max)."""
+    spy = Spy()
+    compiled = torch.compile(warmup_linear_step, backend=spy, fullgraph=True)
+    p, ref, update = torch.zeros(64), torch.zeros(64), torch.linspace(0.5, 1.5, 64)
+    state, ref_state = {"step": 0}, {"step": 0}
+    for _ in range(12):
+        compiled(p, update, state)
+        warmup_linear_step(ref, update, ref_state)
+        torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-9)
+    assert float(ref.abs().max()) > 0.005  # the decay branch moved it

@@ -497,7 +497,8 @@ def test_compiled_segmented_step_matches_unfused(name):
     assert report.group_paths == ["segmented", "segmented"], report
 
 
-needs_compiler = pytest.mark.skipif(not _compile.compiler_available(), reason="torch.compile does not work here")
+needs_compiler = pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
+                                    reason=str(_compile.compile_unavailable_reason("segmented")))
 
 
 @needs_compiler
@@ -952,8 +953,8 @@ class PositiveCount(torch.optim.Optimizer):
 def test_compiled_segmented_count_of_a_bool_tensor_is_exact():
     """sum() of a bool tensor is an int64 count; the compiled block reduction cast it back to
     bool (1 instead of the count, 16x off) -- now such reductions stay eager."""
-    if not _compile.compiler_available():
-        pytest.skip("no working C++ compiler for torch.compile")
+    if _compile.compile_unavailable_reason("segmented") is not None:
+        pytest.skip(_compile.compile_unavailable_reason("segmented"))
     worst, _, fused = _fused_vs_unfused(lambda ps: PositiveCount(ps), [(6, 5), (6,), (7, 7), (3,)], compile=True)
     assert worst <= 1e-5, worst
     assert fusion_report(fused).group_paths == ["segmented"]

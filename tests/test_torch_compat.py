@@ -93,6 +93,66 @@ def test_forget_float_specializations_clears_dynamos_memory(private_api):
         assert not TensorifyState.should_specialize("zf_bagua_test"), changed(name, "the specialization survived")
 
 
+# ------------------------------------------------------------------------------ compiled_steps_unsupported
+@pytest.mark.parametrize("path, oldest", [("elementwise", "2.6"), ("segmented", "2.11"), ("per-tensor", "2.10")])
+def test_compiled_steps_unsupported_names_the_releases_before_the_oldest_that_works(path, oldest):
+    """The thresholds themselves are checked by the compiled-step tests, run on those releases."""
+    name = "compiled_steps_unsupported"
+    reason = compat.compiled_steps_unsupported(path)
+    old = compat._RELEASE < oldest
+    assert (reason is not None) == old, changed(name, f"release {compat._RELEASE}, {path}: {reason!r}")
+    if old:
+        assert str(compat._RELEASE) in reason and (oldest in reason or "2.6" in reason), reason
+
+
+# ------------------------------------------------------------------------------ floats_used_directly
+def _graphs_under_a_changing_lr(use_directly: bool) -> "tuple[int, torch.Tensor, torch.Tensor]":
+    """SGD's update (``alpha=-lr`` as ScalarsAsOperands rewrites it) compiled with Inductor over 5
+    learning rates; returns (graphs, compiled result, eager result)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return compat.inductor_backend()(gm, example_inputs)
+
+    def step(p, g, group):
+        kept = compat.floats_used_directly([group["lr"]]) if use_directly else None
+        p.add_(g * -group["lr"])
+        return kept
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    p, eager_p, g = torch.ones(8), torch.ones(8), torch.linspace(0, 1, 8)
+    for lr in (0.5, 0.25, 0.125, 0.1, 0.05):
+        compat.forget_float_specializations()  # as CompiledStep does before each call
+        compiled(p, g, {"lr": lr})
+        step(eager_p, g, {"lr": lr})
+    compat.forget_float_specializations()
+    return len(graphs), p, eager_p
+
+
+def test_floats_used_directly_keeps_a_learning_rate_in_an_expression_symbolic(private_api):
+    """Torch 2.6 - 2.12 specialize a float reached only through ``-lr``: one graph per learning rate."""
+    name = "floats_used_directly"
+    if compat.compiled_steps_unsupported():
+        pytest.skip(compat.compiled_steps_unsupported())
+    from bagua_integrations._compile import compiler_available
+
+    if not compiler_available():
+        pytest.skip("torch.compile does not work here")
+    with private_api(name):
+        torch.compiler.reset()
+        graphs, p, eager_p = _graphs_under_a_changing_lr(use_directly=True)
+        assert graphs <= 2, changed(name, f"{graphs} graphs for 5 learning rates")
+        torch.testing.assert_close(p, eager_p, rtol=1e-6, atol=1e-7)
+        if compat.floats_need_a_direct_use():  # the check above can fail: without it, one graph per lr
+            torch.compiler.reset()
+            graphs, _, _ = _graphs_under_a_changing_lr(use_directly=False)
+            assert graphs > 2, changed("floats_need_a_direct_use", f"torch {torch.__version__} no longer specializes "
+                                       f"a float in an expression ({graphs} graphs): narrow the version branch")
+        else:
+            assert compat.floats_used_directly([0.5]) is None, changed(name, "does something where not needed")
+
+
 # ------------------------------------------------------------------------------ queue_end_of_backward
 def test_queue_end_of_backward_runs_after_every_gradient(private_api):
     name = "queue_end_of_backward"
@@ -155,6 +215,22 @@ def _counting_backend():
         return gm.forward
 
     return graphs, backend
+
+
+def test_cpu_kernels_truncate_float_min_max_matches_inductors_cpp_printer(private_api):
+    import sympy
+
+    name = "cpu_kernels_truncate_float_min_max"
+    with private_api(name):
+        try:
+            from torch.utils._sympy.printers import CppPrinter
+        except ImportError:  # torch 2.5
+            from torch._inductor.codegen.cpp_utils import CppPrinter
+
+        x = sympy.Symbol("x", real=True, integer=False)
+        printed = CppPrinter().doprint(sympy.Max(sympy.Float(0.0), x / 3))
+        truncates = "int64_t" in printed and "double" not in printed
+        assert compat.cpu_kernels_truncate_float_min_max() == truncates, changed(name, f"a float max prints as {printed}")
 
 
 def test_dynamo_recompile_limit_lets_one_function_keep_more_graphs(private_api):
@@ -301,6 +377,7 @@ TESTED = {
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "tensor_versions", "register_state_dict_post_hook",
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
+    "compiled_steps_unsupported", "floats_used_directly", "floats_need_a_direct_use", "cpu_kernels_truncate_float_min_max",
 }
 
 
@@ -359,6 +436,8 @@ def test_dynamo_dispatches_foreach_to_modes_routes_clip_grad_norm_through_a_trac
     from torch.overrides import TorchFunctionMode
 
     name = "dynamo_dispatches_foreach_to_modes"
+    if compat.compiled_steps_unsupported("segmented"):  # only compiled segmented steps need it
+        pytest.skip(compat.compiled_steps_unsupported("segmented"))
 
     class Doubling(TorchFunctionMode):  # foreach norms come back doubled: visible in the result
         def __torch_function__(self, func, types, args=(), kwargs=None):
