@@ -104,6 +104,7 @@ class GroupLayout:
     def __init__(self, params: List[torch.Tensor], settings: Tuple = ()):
         self.param_ids = tuple(id(p) for p in params)
         self.settings = settings  # _paths.settings_signature of the group when its path was chosen
+        self.own_keys: frozenset = frozenset()  # group keys the optimizer's step writes (see note_own_keys)
         self.buffers: List[FlatBuffer] = []
         self.per_tensor: List[torch.Tensor] = []
         # True when the group's step is elementwise except for whole-parameter reductions
@@ -314,7 +315,8 @@ class FlatLayout:
         for index, group in enumerate(self.optimizer.param_groups):
             layout = self.groups.get(index)
             if (layout is None or layout.param_ids != tuple(id(p) for p in group["params"])
-                    or (layout.settings != settings_signature(group) and not self._same_paths(layout, group))):
+                    or (layout.settings != settings_signature(group, layout.own_keys)
+                        and not self._same_paths(layout, group))):
                 if layout is not None:
                     self.hooks.remove(layout.slots())
                 self._build_group(index, group)
@@ -334,8 +336,23 @@ class FlatLayout:
         devices = {p.device for p in group["params"] if p.device.type != "meta"}
         if {self.paths.choose(group, device).path for device in devices} != set(layout.why):
             return False
-        layout.settings = settings_signature(group)
+        layout.settings = settings_signature(group, layout.own_keys)
         return True
+
+    def group_signatures(self) -> List[Tuple]:
+        """Every group's full settings signature (taken around a step by :meth:`note_own_keys`)."""
+        return [settings_signature(group) for group in self.optimizer.param_groups]
+
+    def note_own_keys(self, before: List[Tuple]) -> None:
+        """Keys whose signature the optimizer's own step just changed are its bookkeeping, not
+        settings: they no longer make the group's path be chosen again."""
+        for index, (old, new) in enumerate(zip(before, self.group_signatures())):
+            layout = self.groups.get(index)
+            if layout is None or old == new:
+                continue
+            changed = {key for (key, value) in new if (key, value) not in set(old)}
+            layout.own_keys = layout.own_keys | changed
+            layout.settings = settings_signature(self.optimizer.param_groups[index], layout.own_keys)
 
     def remove_hooks(self) -> None:
         self.hooks.remove_all()

@@ -5,9 +5,9 @@ collected so that a new torch release breaks *this* module, loudly, instead of s
 changing the math somewhere else: ``tests/test_torch_compat.py`` exercises each one on the
 installed torch and fails with the function's name if the private API moved.
 
-Checked on torch 2.1 - 2.13 (the package's supported range); ``CHECKED_ON`` is the newest
-release the tests ran on. The compiled-step tests also ran on 2.5.1, 2.6.0, 2.10.0, 2.11.0 and
-2.14.1 (the version branches below). Version branches compare ``_RELEASE`` (the installed release without its
+The tested releases are ``noxfile.py``'s ``TORCH_VERSIONS`` (2.5.1 - 2.14.1; each runs the core
+suites in its own venv, ``python -m nox``); ``CHECKED_ON`` is the newest of them. Version branches
+compare ``_RELEASE`` (the installed release without its
 local ``+cpu``/``+cu130`` part) and name the releases they cover.
 """
 
@@ -21,7 +21,7 @@ from typing import Callable, Iterable, List, Tuple
 
 import torch
 
-CHECKED_ON = "2.13.0"
+CHECKED_ON = "2.14.1"
 
 _RELEASE = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])
 

@@ -269,6 +269,7 @@ class Fusion:
 
     def _fused_step(self, optimizer) -> None:
         plan = self.planner.plan(self._run_cap())
+        signatures = self.layout.group_signatures()  # after plan(): settings changed before this step are seen
         swapped = plan.swapped_state(optimizer.state)
         compiled = []
         bookkeeping = []  # one fused step may call the optimizer's step several times (see below)
@@ -291,6 +292,7 @@ class Fusion:
         for params, segmentations in plan.segmented_calls:
             call(params, lambda segmentations=segmentations: self._run_segmented_step(segmentations))
         self.stats.last_step_compiled = all(compiled)
+        self.layout.note_own_keys(signatures)
         self.planner.write_back(plan, swapped)
         stats = self.stats
         stats.fused_steps += 1

@@ -2,7 +2,8 @@
 # What to run on a GPU machine, in parts that each finish well under 9 minutes on one H100.
 #
 #   bash scripts/gpu_checklist.sh tests        # tests/test_cuda.py, then the non-slow suite (time left: ~8 min total)
-#   bash scripts/gpu_checklist.sh bench        # the optimizer-step benchmark on CUDA, fp32 then bf16
+#   bash scripts/gpu_checklist.sh bench        # the optimizer-step benchmark on CUDA, fp32 then bf16; fails
+#                                              # (status 1, "COMPILED PATH NOT USED") if a compiled row ran eagerly
 #
 # Smaller pieces, when a part needs its whole time budget:
 #   tests-cuda | tests-suite | bench-fp32 | bench-bf16
@@ -102,7 +103,8 @@ bench() {
     local dtype=$1 limit=$2
     [ "$(left)" -lt "$limit" ] && limit=$(left)
     run_logged "$limit" "$OUT/bench_$dtype.log" $PY benchmarks/bench_optimizer_step.py --device cuda --dtype "$dtype" \
-        --model "${BENCH_MODEL:-bert-base}" --repeats "${BENCH_REPEATS:-30}" --json "$OUT/step_$dtype.json"
+        --model "${BENCH_MODEL:-bert-base}" --repeats "${BENCH_REPEATS:-30}" --json "$OUT/step_$dtype.json" \
+        --require-compiled
 }
 
 case "${1:-}" in

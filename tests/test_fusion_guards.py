@@ -36,7 +36,7 @@ def test_a_setting_changed_after_fusing_chooses_the_path_again(compile):
 
 
 def test_without_the_settings_check_the_change_is_silently_wrong(monkeypatch):
-    monkeypatch.setattr(layout_module, "settings_signature", lambda group: ())
+    monkeypatch.setattr(layout_module, "settings_signature", lambda group, skip=(): ())
     plain, _ = _clipping_switched_on_after_two_steps(False)
     fused, opt = _clipping_switched_on_after_two_steps(True)
     assert fusion_report(opt).group_paths == ["elementwise"]
@@ -167,7 +167,7 @@ def test_verification_catches_them_and_keeps_the_unfused_result(case):
 
 
 def test_the_settings_case_is_caught_by_verification_with_the_guard_off(monkeypatch):
-    monkeypatch.setattr(layout_module, "settings_signature", lambda group: ())
+    monkeypatch.setattr(layout_module, "settings_signature", lambda group, skip=(): ())
     with pytest.raises(FusionMismatchError, match="max_grad_norm|unfused update"):
         _clipping_switched_on_after_two_steps_verified()
 
@@ -222,9 +222,9 @@ def _fuse_fsdp2_shards(rank, world):
     try:
         fuse_optimizer(opt)
     except ShardedParameterError as error:
-        # the optimizer is untouched and still trains unfused
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
+        if torch.__version__ >= "2.6":  # (FSDP2's forward needs CUDA streams on torch 2.5)
+            model(torch.randn(4, 8)).sum().backward()  # the optimizer is untouched and trains unfused
+            opt.step()
         return str(error)
     return None
 

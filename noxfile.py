@@ -1,0 +1,62 @@
+"""The torch version matrix: the core suites on every supported torch, each in its own venv.
+
+    python -m pip install nox
+    python -m nox -s core                    # every version in TORCH_VERSIONS (~5 GB of wheels each)
+    python -m nox -s "core(torch='2.5.1')"   # one version
+    python -m nox -t ci                      # the oldest and the newest, as CI runs them
+    python -m nox -s core -- -k lamb         # extra pytest arguments after --
+
+Each session installs ``torch==<version>`` first (PyPI's default wheel for that version; a CUDA build
+on Linux, which runs on the CPU too), then the project with its ``[test]`` extra, then runs the
+suites that need neither fairseq nor transformers. pip's cache is reused across sessions and runs.
+
+``TORCH_VERSIONS`` is the one list of tested versions: ``setup.cfg``'s ``torch>=``, the README's
+"Tested with torch" line and ``bagua_integrations/_torch_compat.py`` are checked against it by
+``tests/test_torch_versions.py``.
+"""
+
+import nox
+
+# Oldest first. Compiled steps need 2.6 (segmented ones 2.11, per-tensor ones 2.10); older releases
+# run the exact eager step with one warning where compiling was asked (_torch_compat.compiled_steps_unsupported).
+# 2.11.0 is the torch of the lent GPU machines.
+TORCH_VERSIONS = ["2.5.1", "2.6.0", "2.10.0", "2.11.0", "2.13.0", "2.14.1"]
+PINNED = "2.13.0"  # scripts/install.sh: the version the full suite runs on
+
+# The suites that need only torch (and pytorch-optimizer for the third-party sweep).
+CORE_TESTS = [
+    "tests/test_fused_optimizer.py",
+    "tests/test_compiled_step.py",
+    "tests/test_segmented_fusion.py",
+    "tests/test_per_tensor_compiled.py",
+    "tests/test_scalar_prologue.py",
+    "tests/test_fusion_reliability.py",
+    "tests/test_fusion_guards.py",
+    "tests/test_flat_memory.py",
+    "tests/test_fuse_order.py",
+    "tests/test_fused_state_dict.py",
+    "tests/test_torch_compat.py",
+    "tests/test_bert_adam_reference.py",
+    "tests/test_torch_versions.py",
+    "tests/test_third_party_optimizers.py",
+    "tests/test_distributed_api.py",
+    "tests/test_join.py",
+]
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["core"]
+
+
+@nox.session
+@nox.parametrize(
+    "torch",
+    [nox.param(v, tags=["ci"] if v in (TORCH_VERSIONS[0], TORCH_VERSIONS[-1]) else []) for v in TORCH_VERSIONS],
+)
+def core(session, torch):
+    """The core suites on one torch version."""
+    session.install(f"torch=={torch}")
+    session.install("-e", ".[test]")
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    session.run("python", "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *CORE_TESTS,
+                *session.posargs, env={"BAGUA_EXPECT_TORCH": torch})
