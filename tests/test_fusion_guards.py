@@ -60,26 +60,31 @@ def test_a_scheduler_moving_lr_and_momentum_does_not_rebuild_anything():
 from bagua_integrations import FusionMismatchError  # noqa: E402
 
 
-class ClipsAfterWarmup(torch.optim.Optimizer):
-    """SGD whose per-parameter clipping starts after a warm-up longer than the probes' window."""
-
-    def __init__(self, params, lr=0.1, warmup=4, max_norm=0.01):
-        super().__init__(params, dict(lr=lr, warmup=warmup, max_norm=max_norm))
+class _PerParameter(torch.optim.Optimizer):
+    """A plain loop over parameters with gradients; subclasses write one parameter's update."""
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1
-                if state["step"] > group["warmup"]:
-                    torch.nn.utils.clip_grad_norm_(p, group["max_norm"])
-                p.add_(p.grad, alpha=-group["lr"])
+                if p.grad is not None:
+                    self.update(p, group, self.state[p])
 
 
-class LrMultipliersOnSelf(torch.optim.Optimizer):
+class ClipsAfterWarmup(_PerParameter):
+    """SGD whose per-parameter clipping starts after a warm-up longer than the probes' window."""
+
+    def __init__(self, params, lr=0.1, warmup=4, max_norm=0.01):
+        super().__init__(params, dict(lr=lr, warmup=warmup, max_norm=max_norm))
+
+    def update(self, p, group, state):
+        state["step"] = state.get("step", 0) + 1
+        if state["step"] > group["warmup"]:
+            torch.nn.utils.clip_grad_norm_(p, group["max_norm"])
+        p.add_(p.grad, alpha=-group["lr"])
+
+
+class LrMultipliersOnSelf(_PerParameter):
     """Keeps per-parameter learning-rate multipliers on the optimizer, keyed by id(p), outside
     optimizer.state (as some layer-wise-lr optimizers do)."""
 
@@ -88,28 +93,19 @@ class LrMultipliersOnSelf(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr))
         self.lr_multipliers = {id(p): 0.1 for p in params if p.dim() == 1}  # biases learn slower
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"] * self.lr_multipliers.get(id(p), 1.0))
+    def update(self, p, group, state):
+        p.add_(p.grad, alpha=-group["lr"] * self.lr_multipliers.get(id(p), 1.0))
 
 
-class SkipsMarkedParameters(torch.optim.Optimizer):
+class SkipsMarkedParameters(_PerParameter):
     """Reads a parameter attribute (``p.no_decay``) that synthetic probe tensors do not have."""
 
     def __init__(self, params, lr=0.1, weight_decay=0.5):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                decay = 0.0 if getattr(p, "no_decay", False) else group["weight_decay"]
-                p.add_(p.grad + decay * p, alpha=-group["lr"])
+    def update(self, p, group, state):
+        decay = 0.0 if getattr(p, "no_decay", False) else group["weight_decay"]
+        p.add_(p.grad + decay * p, alpha=-group["lr"])
 
 
 def _model_with_marked_biases():
