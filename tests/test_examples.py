@@ -31,8 +31,9 @@ def _run(script, *args, nproc=1, timeout=300):
 
 
 def test_every_example_is_tested_here():
-    tested = {"fused_optimizer.py", "distributed_torchrun.py", "hf_trainer.py", "accelerate_example.py"}
-    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+    tested = {"fused_optimizer.py", "distributed_torchrun.py", "hf_trainer.py", "accelerate_example.py",
+              "fairseq_language_model.sh"}
+    assert {p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".sh")} == tested
 
 
 def test_fused_optimizer_example():
@@ -65,3 +66,14 @@ def test_hf_trainer_example(nproc, algorithm):
 def test_accelerate_example(nproc):
     out = _run("accelerate_example.py", nproc=nproc)
     assert "4 tensors fused" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fairseq") is None, reason="fairseq is not installed")
+def test_fairseq_example_prepares_data_and_trains(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(["bash", str(EXAMPLES / "fairseq_language_model.sh"), str(tmp_path / "work")], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "num_updates 20" in result.stdout + result.stderr
+    assert (tmp_path / "work" / "checkpoints" / "checkpoint_last.pt").exists()
