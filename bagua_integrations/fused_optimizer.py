@@ -70,10 +70,16 @@ PER_TENSOR_MAX_GRAPHS = 32
 
 @dataclass
 class FusionReport:
-    """What the fused optimizer did on its last step (or will do, before the first one)."""
+    """How the optimizer is laid out, and what its last step did (or will do, before the first one).
 
-    fused_params: int  # tensors updated through flat buffers
-    unfused_params: int  # tensors updated one by one (refused groups, sparse grads, ...)
+    The layout (``laid_out_params``, ``kept_per_tensor_params``, ``flat_buffers``, ``group_paths``)
+    does not change with the steps; ``last_step`` ("none", "fused" or "plain": an ordinary
+    ``optimizer.step()`` that bypassed the fused path) and the fields that describe it
+    (``fused_params``, ``unfused_params``, ``flat_runs``, ``compiled``) do. ``str(report)`` reads both.
+    """
+
+    fused_params: int  # tensors the last step updated through flat buffers
+    unfused_params: int  # tensors the last step updated one by one (refused groups, sparse grads, a plain step)
     flat_buffers: int
     flat_runs: int  # flat tensors handed to the optimizer on the last step (ideally == flat_buffers)
     fused_steps: int
@@ -94,6 +100,23 @@ class FusionReport:
     # nothing fused: the exact unfused step runs compiled, one parameter per call (_per_tensor.py)
     per_tensor_compiled: bool = False
     per_tensor_compile_reason: Optional[str] = None  # why not, where it could have
+    laid_out_params: int = 0  # tensors that live in flat buffers (whatever the last step did)
+    kept_per_tensor_params: int = 0  # tensors the layout keeps out of flat buffers
+    last_step: str = "none"  # "none" (no step yet), "fused" or "plain" (optimizer.step() without fusion)
+
+    def __str__(self) -> str:
+        total = self.laid_out_params + self.kept_per_tensor_params
+        layout = (f"layout: {self.laid_out_params} of {total} tensors in {self.flat_buffers} flat buffer(s); "
+                  f"param groups: {', '.join(self.group_paths) or '-'}")
+        if self.last_step == "none":
+            step = "no step yet"
+        elif self.last_step == "plain":
+            step = "an ordinary optimizer.step() (not fused: call fuse_step(), or fuse with replace_step=True)"
+        else:
+            step = (f"fused: {self.fused_params} tensors in {self.flat_runs} flat run(s)"
+                    + (f", {self.unfused_params} one by one" if self.unfused_params else "")
+                    + (", compiled" if self.compiled else ", eager"))
+        return f"{layout}\nlast step: {step} ({self.fused_steps} fused steps so far)"
 
 
 @dataclass
@@ -594,4 +617,7 @@ def fusion_report(optimizer) -> FusionReport:
         group_why=[layout.groups[i].path_why for i in sorted(layout.groups)],
         per_tensor_compiled=per_tensor is not None and per_tensor.disabled_reason is None,
         per_tensor_compile_reason=fusion.per_tensor_reason or (per_tensor.disabled_reason if per_tensor else None),
+        laid_out_params=layout.fused_params(),
+        kept_per_tensor_params=layout.per_tensor_params(),
+        last_step={LastStep.NONE: "none", LastStep.FUSED: "fused"}.get(stats.last_step, "plain"),
     )

@@ -682,3 +682,21 @@ def test_parameters_that_are_not_contiguous_keep_their_strides():
     report = fusion_report(opt)
     assert report.fused_params == 2 and report.unfused_params == 2, report
     assert any("not contiguous" in why for why in report.reasons.values()), report.reasons
+
+
+def test_the_report_separates_the_layout_from_what_the_last_step_did():
+    """Two plain .step() calls do not make the report read as if fusion was undone (issue 26)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    opt = fuse_optimizer(torch.optim.AdamW(model.parameters()), compile=False)
+    assert fusion_report(opt).last_step == "none"
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    report = fusion_report(opt)
+    assert (report.laid_out_params, report.kept_per_tensor_params, report.last_step) == (6, 0, "plain")
+    assert "layout: 6 of 6 tensors in 1 flat buffer(s)" in str(report)
+    assert "ordinary optimizer.step() (not fused" in str(report)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.fuse_step()
+    report = fusion_report(opt)
+    assert report.last_step == "fused" and "last step: fused: 6 tensors" in str(report)
