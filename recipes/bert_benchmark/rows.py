@@ -91,7 +91,7 @@ ROWS: Dict[str, Row] = {
     row.key: row
     for row in (
         # the seed's experiment: BertAdam with its defaults, without / with the fused optimizer
-        Row("bertadam", "BertAdam per-tensor (seed baseline, unfused)", "bertadam", bertadam_defaults=True),
+        Row("bertadam", "BertAdam per-tensor (Bagua's baseline, unfused)", "bertadam", bertadam_defaults=True),
         Row("bertadam-fused-eager", "BertAdam fused, eager", "bertadam", fuse="eager", bertadam_defaults=True),
         Row("bertadam-fused-compiled", "BertAdam fused, compile=True", "bertadam", fuse="compiled",
             bertadam_defaults=True),

@@ -1,0 +1,43 @@
+"""The README's quick start and its results table match what the project runs and prints."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_quick_start_has_the_two_commands_and_they_exist():
+    quick_start = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    for command in ("bash scripts/main.sh", "bash scripts/test.sh"):
+        assert command in quick_start, command
+        assert (ROOT / command.split()[1]).is_file()
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()  # CI runs the README's test command
+
+
+def _main_job_table():
+    section = README.split("## The main job", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert rows, "the main job's section has its table"
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def test_the_main_job_table_has_the_recipes_columns_and_rows():
+    from recipes.bert_benchmark.report import COLUMNS
+    from recipes.bert_benchmark.rows import DEFAULT_ROWS, ROWS
+
+    header, _, *rows = _main_job_table()
+    assert tuple(header) == COLUMNS
+    labels = {row.label for row in ROWS.values()}
+    for row in rows:
+        assert row[1] in labels, f"{row[1]!r} is not a row the recipe runs"
+        assert len(row) == len(COLUMNS)
+    # the rows bash scripts/main.sh runs by default, no more and no fewer
+    assert [row[1] for row in rows] == [ROWS[key].label for key in DEFAULT_ROWS]
+
+
+def test_the_readme_says_which_settings_and_hardware_made_the_table():
+    section = README.split("## The main job", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"What `bash scripts/main.sh` printed \(its default settings; \d{4}-\d\d-\d\d, .+ cores", section)
