@@ -98,12 +98,20 @@ class GradHooks:
         self.handles.clear()
 
 
+def _settings_changed(layout: "GroupLayout", signature: Tuple) -> bool:
+    """Whether a group's settings changed since its signature was last seen, its own bookkeeping aside."""
+    if signature == layout.signature:
+        return False
+    own = layout.own_keys
+    return [item for item in signature if item[0] not in own] != [item for item in layout.signature if item[0] not in own]
+
+
 class GroupLayout:
     """One param group: its flat buffers, and the parameters always stepped one by one."""
 
-    def __init__(self, params: List[torch.Tensor], settings: Tuple = ()):
+    def __init__(self, params: List[torch.Tensor], signature: Tuple = ()):
         self.param_ids = tuple(id(p) for p in params)
-        self.settings = settings  # _paths.settings_signature of the group when its path was chosen
+        self.signature = signature  # _paths.settings_signature of the group as last seen (refresh, a step)
         self.own_keys: frozenset = frozenset()  # group keys the optimizer's step writes (see note_own_keys)
         self.buffers: List[FlatBuffer] = []
         self.per_tensor: List[torch.Tensor] = []
@@ -314,13 +322,15 @@ class FlatLayout:
         self._check_each_parameter_once()
         for index, group in enumerate(self.optimizer.param_groups):
             layout = self.groups.get(index)
+            signature = settings_signature(group)
             if (layout is None or layout.param_ids != tuple(id(p) for p in group["params"])
-                    or (layout.settings != settings_signature(group, layout.own_keys)
-                        and not self._same_paths(layout, group))):
+                    or (_settings_changed(layout, signature) and not self._same_paths(layout, group))):
                 if layout is not None:
                     self.hooks.remove(layout.slots())
                 self._build_group(index, group)
                 changed = True
+            else:
+                layout.signature = signature
         for index in [i for i in self.groups if i >= len(self.optimizer.param_groups)]:
             self.hooks.remove(self.groups.pop(index).slots())
             changed = True
@@ -334,25 +344,21 @@ class FlatLayout:
         """Whether the group's new settings keep the paths chosen for it (then nothing is rebuilt:
         a scheduler that adds its keys, or a flag that changes nothing the step does)."""
         devices = {p.device for p in group["params"] if p.device.type != "meta"}
-        if {self.paths.choose(group, device).path for device in devices} != set(layout.why):
-            return False
-        layout.settings = settings_signature(group, layout.own_keys)
-        return True
+        return {self.paths.choose(group, device).path for device in devices} == set(layout.why)
 
-    def group_signatures(self) -> List[Tuple]:
-        """Every group's full settings signature (taken around a step by :meth:`note_own_keys`)."""
-        return [settings_signature(group) for group in self.optimizer.param_groups]
-
-    def note_own_keys(self, before: List[Tuple]) -> None:
-        """Keys whose signature the optimizer's own step just changed are its bookkeeping, not
-        settings: they no longer make the group's path be chosen again."""
-        for index, (old, new) in enumerate(zip(before, self.group_signatures())):
+    def note_own_keys(self) -> None:
+        """After a fused step (whose plan() refreshed every group's signature): keys whose signature
+        the optimizer's own step changed are its bookkeeping, not settings, and no longer make the
+        group's path be chosen again."""
+        for index, group in enumerate(self.optimizer.param_groups):
             layout = self.groups.get(index)
-            if layout is None or old == new:
+            if layout is None:
                 continue
-            changed = {key for (key, value) in new if (key, value) not in set(old)}
-            layout.own_keys = layout.own_keys | changed
-            layout.settings = settings_signature(self.optimizer.param_groups[index], layout.own_keys)
+            signature = settings_signature(group)
+            if signature != layout.signature:
+                seen = set(layout.signature)
+                layout.own_keys = layout.own_keys | {key for key, value in signature if (key, value) not in seen}
+                layout.signature = signature
 
     def remove_hooks(self) -> None:
         self.hooks.remove_all()

@@ -70,16 +70,14 @@ def _signature(value: Any) -> Any:
     return type(value).__qualname__
 
 
-def settings_signature(group: Dict[str, Any], skip=()) -> Tuple:
+def settings_signature(group: Dict[str, Any]) -> Tuple:
     """What a group's step can branch on in its settings, for telling when its path must be chosen again.
 
     Exact for flags, strings and ``None``; the sign of a number (0 turns BertAdam's clipping off,
     -1 its schedule), so that a learning rate, momentum or beta moved by a scheduler every step
-    keeps the group's signature while ``max_grad_norm`` going from 0 to 1.0 changes it. ``skip``:
-    keys the optimizer's own step writes (its bookkeeping: D-Adaptation's running sums, a group
-    step count), which are not settings."""
-    return tuple((key, _signature(value)) for key, value in group.items()
-                 if key not in ("params", "param_names") and key not in skip)
+    keeps the group's signature while ``max_grad_norm`` going from 0 to 1.0 changes it. (Keys the
+    optimizer's own step writes, its bookkeeping, are set aside by the layout: ``note_own_keys``.)"""
+    return tuple((key, _signature(value)) for key, value in group.items() if key not in ("params", "param_names"))
 
 
 class PathChooser:

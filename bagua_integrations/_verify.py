@@ -123,25 +123,28 @@ class Reference:
                     p.grad.copy_(grads[id(p)])
         for p in self.params:
             if id(p) in states:
-                entry = state[p] if p in state else state.setdefault(p, {})
-                Bookkeeping._restore(entry, states[id(p)])
+                Bookkeeping._restore(state.setdefault(p, {}), states[id(p)])
             elif p in state:
                 del state[p]
         bookkeeping.restore()
         for key, value in attributes.items():
             setattr(optimizer, key, value)
 
+    def _compared(self, p):
+        """``(what, fused result, unfused result, value before the step)`` for ``p`` and each of its
+        state tensors that both steps left with the same shape."""
+        yield "its value", p.detach(), self.expected[id(p)], self.before[id(p)]
+        entry = self.optimizer.state.get(p, {})
+        for key, expected in self.expected_state[id(p)].items():
+            got = entry.get(key)
+            if isinstance(got, torch.Tensor) and got.shape == expected.shape:
+                yield f"its state {key!r}", got.detach(), expected, self.before_state.get(id(p), {}).get(key)
+
     def _worst(self) -> Optional[Tuple[float, str, str]]:
         """(relative difference, parameter name, what) of the largest difference beyond tolerance."""
         worst = None
-        state = self.optimizer.state
         for p in self.params:
-            pairs = [("its value", p.detach(), self.expected[id(p)], self.before[id(p)])]
-            for key, expected in self.expected_state[id(p)].items():
-                got = state.get(p, {}).get(key)
-                if isinstance(got, torch.Tensor) and got.shape == expected.shape:
-                    pairs.append((f"its state {key!r}", got.detach(), expected, self.before_state.get(id(p), {}).get(key)))
-            for what, got, expected, before in pairs:
+            for what, got, expected, before in self._compared(p):
                 error = _relative_difference(got, expected, before)
                 if error > tolerance(expected.dtype, expected.numel(), id(p) in self.reducing) and (
                         worst is None or error > worst[0]):
@@ -153,14 +156,10 @@ class Reference:
         worst = self._worst()
         if worst is None:
             return
-        state = self.optimizer.state
         with torch.no_grad():
             for p in self.params:
-                p.copy_(self.expected[id(p)])
-                for key, expected in self.expected_state[id(p)].items():
-                    got = state.get(p, {}).get(key)
-                    if isinstance(got, torch.Tensor) and got.shape == expected.shape:
-                        got.copy_(expected)
+                for _, got, expected, _ in self._compared(p):
+                    got.copy_(expected)
         error, name, what = worst
         raise FusionMismatchError(
             f"verification: the fused step of {type(self.optimizer).__name__} differs from its unfused step for "

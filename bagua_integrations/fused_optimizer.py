@@ -25,7 +25,7 @@ import torch
 from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason
 from ._per_tensor import Bookkeeping, PerTensorSteps
 from ._layout import FlatLayout, FusionConfig
-from ._paths import PER_TENSOR, SEGMENTED
+from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
 from ._planner import StepPlan, StepPlanner
 from ._probe import probe_per_tensor_calls
 from ._segmented import NotSegmentable, SegmentedMode
@@ -280,7 +280,7 @@ class Fusion:
             layout = self.layout.groups.get(index)  # (None: added since the last step, laid out by this one)
             per_tensor = {id(q) for q in layout.per_tensor} if layout is not None else set()
             for p in group["params"]:
-                if layout is None or layout.path != "elementwise" or id(p) in per_tensor:
+                if layout is None or layout.path != ELEMENTWISE or id(p) in per_tensor:
                     reducing.add(id(p))
         return reducing
 
@@ -291,8 +291,7 @@ class Fusion:
             self._call_raw(raw_step)
 
     def _fused_step(self, optimizer) -> None:
-        plan = self.planner.plan(self._run_cap())
-        signatures = self.layout.group_signatures()  # after plan(): settings changed before this step are seen
+        plan = self.planner.plan(self._run_cap())  # (refreshes the layout: settings changed since are seen)
         swapped = plan.swapped_state(optimizer.state)
         compiled = []
         bookkeeping = []  # one fused step may call the optimizer's step several times (see below)
@@ -315,7 +314,7 @@ class Fusion:
         for params, segmentations in plan.segmented_calls:
             call(params, lambda segmentations=segmentations: self._run_segmented_step(segmentations))
         self.stats.last_step_compiled = all(compiled)
-        self.layout.note_own_keys(signatures)
+        self.layout.note_own_keys()
         self.planner.write_back(plan, swapped)
         stats = self.stats
         stats.fused_steps += 1

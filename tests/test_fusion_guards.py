@@ -36,7 +36,7 @@ def test_a_setting_changed_after_fusing_chooses_the_path_again(compile):
 
 
 def test_without_the_settings_check_the_change_is_silently_wrong(monkeypatch):
-    monkeypatch.setattr(layout_module, "settings_signature", lambda group, skip=(): ())
+    monkeypatch.setattr(layout_module, "settings_signature", lambda group: ())
     plain, _ = _clipping_switched_on_after_two_steps(False)
     fused, opt = _clipping_switched_on_after_two_steps(True)
     assert fusion_report(opt).group_paths == ["elementwise"]
@@ -163,7 +163,7 @@ def test_verification_catches_them_and_keeps_the_unfused_result(case):
 
 
 def test_the_settings_case_is_caught_by_verification_with_the_guard_off(monkeypatch):
-    monkeypatch.setattr(layout_module, "settings_signature", lambda group, skip=(): ())
+    monkeypatch.setattr(layout_module, "settings_signature", lambda group: ())
     with pytest.raises(FusionMismatchError, match="max_grad_norm|unfused update"):
         _clipping_switched_on_after_two_steps_verified()
 
