@@ -45,7 +45,7 @@ from bagua_integrations.optim import BertAdam, Lamb
 BYTES_PER_PARAM_ADAM = 28  # read p, g, m, v (16 B) + write p, m, v (12 B), fp32
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CUDA_COPY_MIB = 512  # each of the two buffers of the device-to-device copy
-BASELINE = "BertAdam per-tensor (seed: max_grad_norm=1.0)"
+BASELINE = "BertAdam per-tensor (Bagua's baseline: max_grad_norm=1.0)"
 TORCH_FUSED = "torch AdamW fused=True"
 TRAFFIC = "traffic only"
 
@@ -201,7 +201,7 @@ def traffic_rows():
 
 # Row sets that fit in 24 GB on BERT-base shapes; each also gets the baseline and torch's fused AdamW.
 ROW_SETS = {
-    "seed": ["BertAdam fused (segmented)", "torch.compile(BertAdam.step)", "LAMB", "Lamb", TRAFFIC],
+    "bert": ["BertAdam fused (segmented)", "torch.compile(BertAdam.step)", "LAMB", "Lamb", TRAFFIC],
     "elementwise": ["max_grad_norm=-1", "torch AdamW", "torch.compile(AdamW.step)"],
     "unfusable": ["Adafactor"],
     "verify": ["BertAdam fused (segmented), compiled", "verify=1"],
@@ -336,8 +336,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--require-compiled", action="store_true",
                         help="exit 1 when a fused ', compiled' row ran eagerly (its compiled step fell back) or a row failed")
-    parser.add_argument("--rows", default="seed",
-                        help="'seed' (default: BertAdam with per-parameter clipping, LAMB, their torch.compile peers), "
+    parser.add_argument("--rows", default="bert",
+                        help="'bert' (default: BertAdam with per-parameter clipping, LAMB, their torch.compile peers), "
                         "'elementwise' (BertAdam without clipping, torch AdamW variants), 'unfusable' (Adafactor: "
                         "its exact step per parameter, eager and compiled), 'traffic' (the memory traffic of each "
                         "step's pattern alone), 'all' (needs ~28 GB on BERT-base), or comma-separated substrings of row names")

@@ -29,3 +29,14 @@ def test_every_docs_page_is_in_the_navigation():
     nav = (ROOT / "mkdocs.yml").read_text()
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     assert {page for page in pages if page not in nav} == set()
+
+
+def test_user_facing_text_names_bagua_not_an_internal_word():
+    """Users know Bagua's documentation and its published benchmark, not this project's "seed"."""
+    import re
+
+    internal = re.compile(r"\bthe seed\b|\bseed[- ]defaults? rows\b|\bseed baseline\b|\bseed's\b", re.I)
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    offending = [f"{page.name}: {line.strip()[:80]}" for page in pages
+                 for line in page.read_text().splitlines() if internal.search(line)]
+    assert offending == []

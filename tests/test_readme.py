@@ -41,3 +41,31 @@ def test_the_main_job_table_has_the_recipes_columns_and_rows():
 def test_the_readme_says_which_settings_and_hardware_made_the_table():
     section = README.split("## The main job", 1)[1].split("\n## ", 1)[0]
     assert re.search(r"What `bash scripts/main.sh` printed \(its default settings; \d{4}-\d\d-\d\d, .+ cores", section)
+
+
+EXCERPT = re.compile(r"<!-- excerpt: (\S+) -->\n```\w+\n(.*?)\n```", re.S)
+
+
+def _is_excerpt(block: str, source: str) -> bool:
+    """Every non-blank line of ``block`` is a line of ``source`` (leading and trailing blanks
+    aside), in the same order: an excerpt may skip lines, never change or reorder them."""
+    source_lines = iter(line.strip() for line in source.splitlines())
+    return all(any(line == candidate for candidate in source_lines)
+               for line in (raw.strip() for raw in block.splitlines()) if line)
+
+
+def test_every_readme_code_block_is_an_excerpt_of_a_tested_example():
+    excerpts = EXCERPT.findall(README)
+    code_blocks = re.findall(r"^```(python|bash)$", README, re.M)
+    # every code block is an excerpt, except the quick start's two commands
+    assert len(excerpts) == len(code_blocks) - 1, "a README code block without an <!-- excerpt: FILE --> line"
+    for path, block in excerpts:
+        assert path.startswith("examples/") and (ROOT / path).is_file(), path
+        assert _is_excerpt(block, (ROOT / path).read_text()), f"the README's block from {path} is not in that file"
+
+
+def test_an_edited_snippet_is_not_an_excerpt():
+    source = "a = 1\nb = 2\nc = 3\n"
+    assert _is_excerpt("a = 1\n\nc = 3", source)
+    assert not _is_excerpt("c = 3\na = 1", source)  # reordered
+    assert not _is_excerpt("a = 1\nb = 20", source)  # changed
