@@ -216,3 +216,67 @@ class CompiledStep:
                 )
         self.compiled_steps += 1
         return True
+
+
+class CompiledFunction:
+    """A pure tensor function run as Inductor kernels where that pays, else eagerly, same results.
+
+    For code of our own that must run at memory speed (the communication codecs): ``fn`` is
+    traced whole (``fullgraph=True``, so a failure happens before anything runs), compiled at
+    most ``max_graphs`` times (one per distinct shape until Dynamo makes the shape dynamic),
+    and replaced by ``fn`` itself, with one :class:`CompileFallbackWarning`, when compiling
+    fails or keeps recompiling. ``fn`` must compute the same bits compiled and eager (no
+    ``a * b + c`` whose rounding a fused multiply-add would change where results must agree
+    across processes): a process that fell back then still agrees with one that did not.
+
+    ``min_elements``: calls whose first tensor argument is smaller run eagerly (compile time
+    outweighs the gain on small tensors); 0 compiles every call; None never compiles.
+    """
+
+    _instances = 0
+
+    def __init__(self, fn, min_elements: Optional[int] = AUTO_MIN_ELEMENTS, max_graphs: int = 8):
+        self.fn = fn
+        self.min_elements = min_elements
+        self.max_graphs = max_graphs
+        self.graphs = 0
+        self.compiled_calls = 0
+        self.disabled_reason = None
+        CompiledFunction._instances += 1
+        # a private code object per instance: Dynamo's graph cache and recompile limit are per code object
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{CompiledFunction._instances}")
+        private = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        self._compiled = torch.compile(private, backend=self._backend, fullgraph=True)
+
+    def _backend(self, graph_module, example_inputs):
+        self.graphs += 1
+        if self.graphs > self.max_graphs:
+            raise RuntimeError(f"{self.fn.__name__} recompiled {self.graphs} times")
+        return inductor_backend()(graph_module, example_inputs)
+
+    def wants_compiled(self, *args) -> bool:
+        if self.min_elements is None or self.disabled_reason is not None:
+            return False
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or first.numel() < self.min_elements:
+            return False
+        reason = compile_unavailable_reason()
+        if reason is not None:
+            self.disabled_reason = reason  # decided by the release and the machine: no warning
+            return False
+        return True
+
+    def __call__(self, *args):
+        with torch.no_grad():
+            if self.wants_compiled(*args):
+                try:
+                    with dynamo_recompile_limit(self.max_graphs + 1):
+                        result = self._compiled(*args)
+                    self.compiled_calls += 1
+                    return result
+                except Exception as exc:  # fullgraph: nothing of this call ran
+                    self.disabled_reason = _describe(exc)
+                    warnings.warn(f"{self.fn.__name__} runs eagerly from now on (its compiled form failed: "
+                                  f"{self.disabled_reason}); the results are the same", CompileFallbackWarning,
+                                  stacklevel=3)
+            return self.fn(*args)

@@ -36,6 +36,7 @@ __all__ = [
     "inductor_backend",
     "inductor_reads_thresholds_raised",
     "cpu_kernels_truncate_float_min_max",
+    "compiled_kernels_may_fuse_multiply_add",
     "dynamo_recompile_limit",
     "step_keeping_lr_scheduler_marker",
     "mark_step_taken",
@@ -330,3 +331,19 @@ def process_group_timeout(group=None):
 
     pg = dist.group.WORLD if group is None else group
     return pg._get_backend(torch.device("cpu")).options._timeout
+
+
+def compiled_kernels_may_fuse_multiply_add(device_type: str) -> bool:
+    """Whether Inductor's kernels for ``device_type`` may turn ``a * b + c`` into one fused
+    multiply-add (rounded once, so not the eager result's bits).
+
+    Private: ``torch._inductor.config.cpp.enable_floating_point_contract_flag`` (the C++ compiler's
+    ``-ffp-contract``; "off" on torch 2.13). Triton contracts by default. Unknown: assume it may.
+    """
+    if device_type != "cpu":
+        return True
+    try:
+        import torch._inductor.config as inductor_config
+    except Exception:
+        return True
+    return getattr(getattr(inductor_config, "cpp", None), "enable_floating_point_contract_flag", "fast") != "off"

@@ -6,7 +6,10 @@ Measures, on one MLP and one bucket size:
   * the same comparison over a sweep of bucket sizes;
   * bytes each rank writes to its sockets per step, for every algorithm (Linux /proc/self/io);
   * Bagua's autotuner searching the bucket size, and the tuned setting against the default and DDP;
-  * one rank slowed 2x: how much of its speed the fast rank keeps under DDP, gradient_allreduce and async.
+  * one rank slowed 2x: how much of its speed the fast rank keeps under DDP, gradient_allreduce and async;
+  * the uint8 codec of bytegrad / qadam / low_precision_decentralized (one process, one thread, as
+    in each rank): GB/s of fp32 gradient encoded and decoded, eager and compiled, against a plain
+    copy of the same bytes measured in the same rounds (``--codec-only`` for just this table).
 
 Variants run interleaved in rounds inside the same two processes so that background load
 hits them alike; the reported time is the median step time of rank 0.
@@ -244,6 +247,51 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def codec_rows(elements: int, rounds: int, ranks: int = 2) -> dict:
+    """Median seconds per call of each codec operation on one bucket of ``elements`` fp32
+    values, eager and compiled, and of a plain copy of the same bytes, interleaved in rounds."""
+    from bagua_integrations.distributed.algorithms.bytegrad import BLOCK, MinMaxUInt8
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(elements, generator=g)
+    copy_target = torch.empty_like(flat)
+    rows = {"plain copy (fp32 -> fp32)": lambda: copy_target.copy_(flat)}
+    for label, compiled in (("eager", False), ("compiled", True)):
+        codec = MinMaxUInt8(zero_exact=True, block=BLOCK, compile=compiled)
+        chunk = codec.padded_length(-(-elements // ranks))
+        sent = codec.encode_chunks(flat, ranks)
+        received = sent.clone()
+        gathered = torch.cat([codec.average_chunks(received, chunk)] * ranks)
+        out = torch.empty_like(flat)
+        rows[f"encode, {label}"] = lambda codec=codec: codec.encode_chunks(flat, ranks)
+        rows[f"average {ranks} ranks' chunks + encode, {label}"] = lambda codec=codec, r=received, c=chunk: codec.average_chunks(r, c)
+        rows[f"decode into the bucket, {label}"] = lambda codec=codec, gd=gathered, o=out, c=chunk: codec.decode_into(gd, o, c)
+    for fn in rows.values():  # warm-up: compile, first-touch pages
+        fn()
+        fn()
+    times = {name: [] for name in rows}
+    for _ in range(rounds):
+        for name, fn in rows.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    # each row processes the bucket's fp32 values once (average: one chunk from each rank = one bucket)
+    return {"elements": elements, "ranks": ranks, "seconds": medians}
+
+
+def codec_report(codec: dict) -> str:
+    gigabytes = codec["elements"] * 4 / 1e9
+    copy = codec["seconds"]["plain copy (fp32 -> fp32)"]
+    lines = [f"## uint8 codec, one bucket of {codec['elements'] * 4 / MB:.0f} MB fp32 ({codec['ranks']} ranks' chunks; "
+             "1 thread; GB/s of fp32 values processed; vs a plain copy of the same bytes in the same rounds)", "",
+             "| operation | ms | GB/s | vs plain copy |", "|---|---:|---:|---:|"]
+    for name, seconds in codec["seconds"].items():
+        lines.append(f"| {name} | {seconds * 1e3:.2f} | {gigabytes / seconds:.2f} | {copy / seconds:.2f}x |")
+    return "\n".join(lines)
+
+
 def report(results, args) -> str:
     lines = [
         f"# bench_distributed: 2 ranks, gloo, CPU ({os.cpu_count()} cores, 1 thread per rank), "
@@ -311,13 +359,24 @@ def main(argv=None):
     parser.add_argument("--autotune-trials", type=int, default=8, help="autotuner trials (0: skip the autotune rows)")
     parser.add_argument("--straggler-steps", type=int, default=40, help="steps per straggler measurement (0: skip)")
     parser.add_argument("--json", help="also write the raw numbers here")
+    parser.add_argument("--codec-elements", type=int, default=6_000_000, help="fp32 elements in the codec table's bucket")
+    parser.add_argument("--codec-only", action="store_true", help="only the codec table (one process)")
     args = parser.parse_args(argv)
+    codec = codec_rows(args.codec_elements, max(args.rounds, 5))
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.codec_only:
+        print(codec_report(codec))
+        return 0
     out_path = args.json or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_distributed_{os.getpid()}.json")
     mp.start_processes(worker, args=(2, _free_port(), args, out_path), nprocs=2, start_method="spawn")
     with open(out_path) as handle:
         results = json.load(handle)
-    print(report(results, args))
-    if not args.json:
+    results["codec"] = codec
+    print(report(results, args) + "\n\n" + codec_report(codec))
+    if args.json:
+        with open(out_path, "w") as handle:
+            json.dump(results, handle)
+    else:
         os.remove(out_path)
 
 

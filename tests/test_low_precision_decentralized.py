@@ -88,16 +88,28 @@ def _train(rank, world, ours: bool, steps=STEPS):
 
 
 def _both(rank, world):
-    return _train(rank, world, ours=True), _train(rank, world, ours=False)
+    from bagua_integrations.distributed.algorithms import bytegrad
+
+    ours, reference = _train(rank, world, ours=True), _train(rank, world, ours=False)
+    encode = bytegrad._KERNELS.get((bytegrad._encode_chunks, True, False))
+    return ours, reference, bool(encode and encode.compiled_calls)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-codec", "compiled-codec"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_matches_plain_torch_distributed_bit_for_bit(world):
-    results = values(run_ranks(_both, world, timeout=180))
-    for rank, ((ours, copies), (reference, _)) in enumerate(results):
+def test_matches_plain_torch_distributed_bit_for_bit(world, compiled):
+    """With the codec's kernels compiled (BAGUA_COMPILE_CODECS=1) too: the same bits."""
+    if compiled:
+        from bagua_integrations._compile import compile_unavailable_reason
+
+        if compile_unavailable_reason() is not None:
+            pytest.skip(compile_unavailable_reason())
+    results = values(run_ranks(_both, world, timeout=180, env={"BAGUA_COMPILE_CODECS": "1" if compiled else "0"}))
+    for rank, ((ours, copies), (reference, _), ran_compiled) in enumerate(results):
         assert all(torch.equal(a, b) for a, b in zip(ours, reference)), f"rank {rank} differs from the reference"
+        assert ran_compiled == compiled
     # the copy each rank keeps of its left neighbour is that neighbour's own public copy, exactly
-    for rank, ((_, copies), _) in enumerate(results):
+    for rank, ((_, copies), _, _) in enumerate(results):
         left = (rank - 1) % world
         assert torch.equal(copies[1], results[left][0][1][0])
     # the ranks really trained differently and were pulled together (not identical, not far apart)

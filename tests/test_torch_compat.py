@@ -372,12 +372,29 @@ def test_register_state_dict_post_hook_runs_for_submodules_and_edits_in_place(pr
         assert not torch.equal(model.state_dict()["1.weight"], torch.zeros(2, 2)), changed(name, "handle.remove() failed")
 
 
+def test_compiled_kernels_may_fuse_multiply_add_says_when_cpu_kernels_round_like_eager(private_api):
+    from bagua_integrations._compile import compiler_available
+
+    if not compiler_available():
+        pytest.skip("torch.compile is not usable here")
+    # (1 + 2**-12)**2 rounds to 1 + 2**-11 in fp32 (a tie, to even): minus that is 0 eagerly, 2**-24 fused
+    a = torch.full((64,), 1 + 2**-12)
+    c = torch.full((64,), -(1 + 2**-11))
+    compiled = torch.compile(lambda a, b, c: a * b + c, fullgraph=True)(a, a, c)
+    assert torch.equal(a * a + c, torch.zeros(64))
+    if not compat.compiled_kernels_may_fuse_multiply_add("cpu"):
+        assert torch.equal(compiled, torch.zeros(64)), changed(
+            "compiled_kernels_may_fuse_multiply_add", "said CPU kernels keep a * b + c rounded twice, and they fused it")
+    assert compat.compiled_kernels_may_fuse_multiply_add("cuda")
+
+
 # ------------------------------------------------------------------------------ coverage of the module
 TESTED = {
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "tensor_versions", "register_state_dict_post_hook",
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
     "compiled_steps_unsupported", "floats_used_directly", "floats_need_a_direct_use", "cpu_kernels_truncate_float_min_max",
+    "compiled_kernels_may_fuse_multiply_add",
 }
 
 

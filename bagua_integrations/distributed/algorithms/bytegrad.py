@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
+from ..._compile import AUTO_MIN_ELEMENTS, CompiledFunction
+from ..._torch_compat import compiled_kernels_may_fuse_multiply_add
 from .. import comm
 from .base import GradientAlgorithm
 from .registry import register_algorithm
@@ -13,6 +16,72 @@ from .registry import register_algorithm
 __all__ = ["ByteGrad", "MinMaxUInt8", "BLOCK"]
 
 BLOCK = 1024  # elements that share one min/max pair (8 bytes of header: 0.8 % more on the wire)
+
+
+def _encode_rows(rows: torch.Tensor, zero_exact: bool, levels: int) -> torch.Tensor:
+    """(r, n) float32 -> (r, 8 + n) uint8: each row's 8-byte header, then a byte per element."""
+    lo = rows.amin(dim=1, keepdim=True)
+    hi = rows.amax(dim=1, keepdim=True)
+    if zero_exact:
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    span = hi - lo
+    scale = torch.where(span > 0, levels / span, torch.zeros_like(span))
+    if zero_exact:
+        zero = (-lo * scale).round()
+        codes = (rows * scale).round().add(zero).clamp(0, levels).to(torch.uint8)
+        header = torch.cat([span / levels, zero], dim=1).view(torch.uint8)
+    else:
+        codes = ((rows - lo) * scale).round().clamp(0, levels).to(torch.uint8)
+        header = torch.cat([lo, hi], dim=1).view(torch.uint8)
+    return torch.cat([header, codes], dim=1)
+
+
+def _decode_rows(packed: torch.Tensor, zero_exact: bool, levels: int) -> torch.Tensor:
+    """The inverse of :func:`_encode_rows`: (r, 8 + n) uint8 -> (r, n) float32."""
+    header = packed[:, :8].contiguous().view(torch.float32)
+    codes = packed[:, 8:].to(torch.float32)
+    if zero_exact:
+        return (codes - header[:, 1:2]) * header[:, :1]  # no multiply-add: the same bits compiled or not
+    lo, hi = header[:, :1], header[:, 1:2]
+    return codes * ((hi - lo) / levels) + lo
+
+
+# The codec's work on a whole bucket, each one pass over the data when compiled (CompiledFunction):
+# pure functions of tensors and Python constants, so the eager and the compiled forms give the same bits.
+
+def _encode_chunks(flat: torch.Tensor, chunks: int, chunk: int, block: int, zero_exact: bool, levels: int):
+    """``flat`` zero-padded to ``chunks`` rows of ``chunk`` elements, each encoded: (chunks, bytes)."""
+    rows = torch.nn.functional.pad(flat.to(torch.float32), (0, chunks * chunk - flat.numel()))
+    return _encode_rows(rows.view(-1, block), zero_exact, levels).view(chunks, -1)
+
+
+def _average_chunks(received: torch.Tensor, block: int, zero_exact: bool, levels: int):
+    """The mean of the decoded rows of ``received`` (one per rank), encoded again: (1, bytes)."""
+    ranks = received.shape[0]
+    decoded = _decode_rows(received.view(-1, 8 + block), zero_exact, levels).view(ranks, -1)
+    mean = decoded.sum(dim=0, keepdim=True).div(ranks)
+    return _encode_rows(mean.view(-1, block), zero_exact, levels).view(1, -1)
+
+
+def _decode_into(packed: torch.Tensor, out: torch.Tensor, block: int, zero_exact: bool, levels: int):
+    """``out`` <- the first ``out.numel()`` decoded elements of ``packed``."""
+    decoded = _decode_rows(packed.reshape(-1, 8 + block), zero_exact, levels).view(-1)
+    out.copy_(decoded[: out.numel()].view(out.shape))
+
+
+_KERNELS = {}
+COMPILE_ENV = "BAGUA_COMPILE_CODECS"
+_COMPILE_SETTINGS = {"auto": "auto", "1": True, "0": False}
+
+
+def _kernel(fn, compile, zero_exact):
+    """One shared :class:`CompiledFunction` per codec function, compile setting and code (each
+    its own graph cache: a few graphs per function, as shapes become dynamic after the second)."""
+    key = (fn, compile, zero_exact)
+    if key not in _KERNELS:
+        min_elements = {"auto": AUTO_MIN_ELEMENTS, True: 0, False: None}[compile]
+        _KERNELS[key] = CompiledFunction(fn, min_elements=min_elements)
+    return _KERNELS[key]
 
 
 class MinMaxUInt8:
@@ -27,16 +96,31 @@ class MinMaxUInt8:
     of them: zeros decode to exactly 0 (the header then holds the level spacing and the code
     of 0). Momentum needs it: an element that never had a gradient has momentum 0 and second
     moment 0, and any rounding noise there would be divided by Adam's ``eps``.
+
+    The bucket-level operations (:meth:`encode_chunks`, :meth:`average_chunks`,
+    :meth:`decode_into`) run as Inductor kernels, one read of the input and one write of the
+    output each, with ``compile="auto"`` on buckets of at least 2**20 elements where
+    ``torch.compile`` works (``True``: every bucket; ``False``: never; default: the environment
+    variable ``BAGUA_COMPILE_CODECS``, ``auto``, ``1`` or ``0``, else ``"auto"``). They give the same bytes
+    and values as the eager codec (:meth:`encode` / :meth:`decode`, the reference), so ranks
+    that compiled and ranks that did not still agree.
     """
 
     header_bytes = 8
     levels = 255
 
-    def __init__(self, zero_exact: bool = False, block: Optional[int] = None):
+    def __init__(self, zero_exact: bool = False, block: Optional[int] = None, compile=None):
         if block is not None and block < 1:
             raise ValueError(f"block must be a positive number of elements or None, got {block!r}")
+        if compile is None:
+            compile = _COMPILE_SETTINGS.get(os.environ.get(COMPILE_ENV, "auto").strip().lower())
+            if compile is None:
+                raise ValueError(f"{COMPILE_ENV} must be 'auto', '1' or '0', got {os.environ[COMPILE_ENV]!r}")
+        if compile not in ("auto", True, False):
+            raise ValueError(f"compile must be 'auto', True or False, got {compile!r}")
         self.zero_exact = zero_exact
         self.block = block
+        self.compile = compile
 
     def padded_length(self, n: int) -> int:
         """The row length ``encode`` takes: ``n`` rounded up to whole blocks."""
@@ -49,40 +133,43 @@ class MinMaxUInt8:
             r, n = rows.shape
             if n % self.block:
                 raise ValueError(f"rows of {n} elements are not whole blocks of {self.block}; pad to padded_length(n)")
-            return self._encode(rows.reshape(-1, self.block)).reshape(r, -1)
-        return self._encode(rows)
+            return _encode_rows(rows.reshape(-1, self.block), self.zero_exact, self.levels).reshape(r, -1)
+        return _encode_rows(rows, self.zero_exact, self.levels)
 
     def decode(self, packed: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`encode`: (r, m) uint8 -> (r, n) float32."""
         if self.block is not None:
             r = packed.shape[0]
-            return self._decode(packed.reshape(-1, self.header_bytes + self.block)).reshape(r, -1)
-        return self._decode(packed)
+            return _decode_rows(packed.reshape(-1, self.header_bytes + self.block), self.zero_exact,
+                                self.levels).reshape(r, -1)
+        return _decode_rows(packed, self.zero_exact, self.levels)
 
-    def _encode(self, rows: torch.Tensor) -> torch.Tensor:
-        lo = rows.amin(dim=1, keepdim=True)
-        hi = rows.amax(dim=1, keepdim=True)
-        if self.zero_exact:
-            lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-        span = hi - lo
-        scale = torch.where(span > 0, self.levels / span, torch.zeros_like(span))
-        if self.zero_exact:
-            zero = (-lo * scale).round_()
-            codes = (rows * scale).round_().add_(zero).clamp_(0, self.levels).to(torch.uint8)
-            header = torch.cat([span / self.levels, zero], dim=1).contiguous().view(torch.uint8)
-            return torch.cat([header, codes], dim=1)
-        codes = ((rows - lo) * scale).round_().clamp_(0, self.levels).to(torch.uint8)
-        header = torch.cat([lo, hi], dim=1).contiguous().view(torch.uint8)
-        return torch.cat([header, codes], dim=1)
+    # ------------------------------------------------------------------ whole buckets, one pass each
+    def _block_for(self, chunk: int) -> int:
+        return self.block if self.block is not None else chunk
 
-    def _decode(self, packed: torch.Tensor) -> torch.Tensor:
-        header = packed[:, : self.header_bytes].contiguous().view(torch.float32)
-        if self.zero_exact:
-            step, zero = header[:, :1], header[:, 1:2]
-            return (packed[:, self.header_bytes :].to(torch.float32) - zero) * step
-        lo, hi = header[:, :1], header[:, 1:2]
-        step = (hi - lo) / self.levels
-        return packed[:, self.header_bytes :].to(torch.float32) * step + lo
+    def encode_chunks(self, flat: torch.Tensor, chunks: int) -> torch.Tensor:
+        """The 1-D ``flat`` cut into ``chunks`` equal rows (zero-padded to whole blocks), each
+        encoded: ``(chunks, bytes per row)`` uint8, the layout :meth:`encode` gives."""
+        chunk = self.padded_length(-(-flat.numel() // chunks))
+        return _kernel(_encode_chunks, self.compile, self.zero_exact)(flat, chunks, chunk, self._block_for(chunk), self.zero_exact,
+                                                    self.levels)
+
+    def average_chunks(self, received: torch.Tensor, chunk: int) -> torch.Tensor:
+        """``received`` (ranks, bytes) holds one encoded row of ``chunk`` elements per rank:
+        their mean, encoded: ``(1, bytes)``."""
+        return _kernel(_average_chunks, self.compile, self.zero_exact)(received, self._block_for(chunk), self.zero_exact, self.levels)
+
+    def decode_into(self, packed: torch.Tensor, out: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Decode rows of ``chunk`` elements and write the first ``out.numel()`` values into ``out``.
+
+        Every rank decodes the same bytes and must get the same values: the min-max form
+        (``codes * step + lo``) runs eagerly where the compiler could fuse it into a multiply-add."""
+        compile = self.compile
+        if not self.zero_exact and compiled_kernels_may_fuse_multiply_add(packed.device.type):
+            compile = False
+        _kernel(_decode_into, compile, self.zero_exact)(packed, out, self._block_for(chunk), self.zero_exact, self.levels)
+        return out
 
 
 @register_algorithm("bytegrad")
@@ -121,16 +208,12 @@ class ByteGrad(GradientAlgorithm):
     def average(self, flat: torch.Tensor, group) -> comm.Stages:
         size = comm.world_size(group)
         chunk = self.codec.padded_length(-(-flat.numel() // size))
-        rows = torch.zeros(size, chunk, dtype=torch.float32, device=flat.device)
-        rows.view(-1)[: flat.numel()].copy_(flat)
-        sent = self.codec.encode(rows)
+        sent = self.codec.encode_chunks(flat, size)
         received = torch.empty_like(sent)
         yield comm.all_to_all(received, sent, group)
 
-        mine = self.codec.decode(received).sum(dim=0, keepdim=True).div_(size)
-        packed_mine = self.codec.encode(mine).view(-1)
+        packed_mine = self.codec.average_chunks(received, chunk).view(-1)
         gathered = torch.empty(size * packed_mine.numel(), dtype=torch.uint8, device=flat.device)
         yield comm.all_gather(gathered, packed_mine, group)
 
-        result = self.codec.decode(gathered.view(size, -1)).view(-1)[: flat.numel()]
-        flat.copy_(result)
+        self.codec.decode_into(gathered.view(size, -1), flat, chunk)

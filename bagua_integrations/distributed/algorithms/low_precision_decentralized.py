@@ -103,17 +103,9 @@ class LowPrecisionDecentralized(ModelAlgorithm):
                 mine.copy_(theirs)
 
     # ------------------------------------------------------------------ one round
-    def _encode(self, diff: torch.Tensor) -> torch.Tensor:
-        padded = torch.zeros(1, self.codec.padded_length(diff.numel()), dtype=torch.float32, device=diff.device)
-        padded.view(-1)[: diff.numel()] = diff
-        return self.codec.encode(padded)
-
-    def _decode(self, packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return self.codec.decode(packed).reshape(-1)[: like.numel()].to(like.dtype)
-
     def _round(self, flat: torch.Tensor, copies: List[torch.Tensor], group):
         own, left_copy, right_copy = copies
-        mine = self._encode(flat - own)
+        mine = self.codec.encode_chunks(flat - own, 1)  # one row: blocks of CHUNK elements
         size, me = comm.world_size(group), comm.group_ranks(group).index(comm.rank())
         left, right = ring_neighbours(me, size)
         ranks = comm.group_ranks(group)
@@ -124,9 +116,9 @@ class LowPrecisionDecentralized(ModelAlgorithm):
         else:
             from_right = torch.empty_like(mine)
             yield comm.ring_exchange(mine, from_left, from_right, ranks[left], ranks[right], group)
-        own.add_(self._decode(mine, own))
-        left_copy.add_(self._decode(from_left, left_copy))
-        right_copy.add_(self._decode(from_right, right_copy))
+        chunk, decoded = self.codec.padded_length(flat.numel()), torch.empty_like(own)
+        for public_copy, packed in ((own, mine), (left_copy, from_left), (right_copy, from_right)):
+            public_copy.add_(self.codec.decode_into(packed, decoded, chunk))
         flat.add_(torch.add(left_copy, right_copy).sub_(own, alpha=2).div_(3))
 
     def update(self, step: int, group) -> bool:

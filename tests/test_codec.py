@@ -1,0 +1,154 @@
+"""The uint8 codec of ``bytegrad``, ``qadam`` and ``low_precision_decentralized``, compiled.
+
+Each bucket-level operation (encode with padding, the per-rank average re-encoded, decode into
+the bucket) runs as Inductor kernels. References: the eager codec (the same bytes and values, so a
+rank that compiled and one that did not still agree) and a min-max code written here in plain
+torch, against which ``ByteGrad`` on 2 and 3 gloo ranks must match bit for bit, compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist_utils import run_ranks, values
+from bagua_integrations._compile import compile_unavailable_reason
+from bagua_integrations.distributed.algorithms import bytegrad
+from bagua_integrations.distributed.algorithms.bytegrad import BLOCK, MinMaxUInt8
+
+needs_compiler = pytest.mark.skipif(compile_unavailable_reason() is not None,
+                                    reason=f"no compiled codec here: {compile_unavailable_reason()}")
+
+
+def _buckets():
+    g = torch.Generator().manual_seed(0)
+    mixed = torch.randn(5000, generator=g)
+    mixed[:1500] = 0  # whole blocks of zeros
+    mixed[2048:3072] = 0.25  # a constant block
+    mixed[3072:4096] *= 1e-6  # tiny values beside large ones
+    return {"mixed": mixed, "short": torch.randn(700, generator=g) * 3, "negative": -torch.rand(3 * BLOCK + 5, generator=g)}
+
+
+def _codecs(zero_exact):
+    return MinMaxUInt8(zero_exact=zero_exact, block=BLOCK, compile=False), MinMaxUInt8(zero_exact=zero_exact, block=BLOCK, compile=True)
+
+
+@needs_compiler
+@pytest.mark.parametrize("zero_exact", [True, False])
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_compiled_codec_gives_the_eager_codecs_bytes_and_values(zero_exact, chunks):
+    eager, compiled = _codecs(zero_exact)
+    for name, flat in _buckets().items():
+        sent = eager.encode_chunks(flat, chunks)
+        assert torch.equal(compiled.encode_chunks(flat, chunks), sent), name
+        chunk = eager.padded_length(-(-flat.numel() // chunks))
+        # what the eager codec's encode of the zero-padded rows gives: the same layout
+        rows = torch.zeros(chunks, chunk)
+        rows.view(-1)[: flat.numel()] = flat
+        assert torch.equal(eager.encode(rows), sent), name
+        received = torch.stack([sent[0], sent[-1], sent[0]])  # three "ranks"
+        averaged = eager.average_chunks(received, chunk)
+        assert torch.equal(compiled.average_chunks(received, chunk), averaged), name
+        expected, got = torch.empty_like(flat), torch.empty_like(flat)
+        eager.decode_into(sent, expected, chunk)
+        compiled.decode_into(sent, got, chunk)
+        assert torch.equal(got, expected), name
+        assert torch.equal(expected, eager.decode(sent).view(-1)[: flat.numel()]), name
+
+
+@needs_compiler
+def test_compiled_codec_is_what_runs():
+    _, compiled = _codecs(True)
+    flat = torch.randn(3000)
+    compiled.encode_chunks(flat, 2)
+    kernel = bytegrad._kernel(bytegrad._encode_chunks, True, True)
+    assert kernel.disabled_reason is None and kernel.compiled_calls >= 1 and 1 <= kernel.graphs <= kernel.max_graphs
+
+
+def test_small_buckets_stay_eager_by_default_and_the_setting_is_checked(monkeypatch):
+    assert MinMaxUInt8().compile == "auto"
+    monkeypatch.setenv(bytegrad.COMPILE_ENV, "0")
+    assert MinMaxUInt8().compile is False
+    monkeypatch.setenv(bytegrad.COMPILE_ENV, "yes")
+    with pytest.raises(ValueError, match="BAGUA_COMPILE_CODECS"):
+        MinMaxUInt8()
+    with pytest.raises(ValueError, match="compile must be"):
+        MinMaxUInt8(compile="always")
+
+
+# ---------------------------------------------------------------------- ByteGrad against plain torch, 2 and 3 ranks
+def _reference_quantize(values):
+    """Min-max uint8 over blocks of BLOCK elements, 0 exact: (codes, step, zero) per block."""
+    blocks = values.reshape(-1, BLOCK)
+    lo = blocks.amin(1, keepdim=True).clamp(max=0)
+    hi = blocks.amax(1, keepdim=True).clamp(min=0)
+    span = hi - lo
+    scale = torch.where(span > 0, 255 / span, torch.zeros_like(span))
+    zero = (-lo * scale).round()
+    codes = ((blocks * scale).round() + zero).clamp(0, 255)
+    return codes, span / 255, zero
+
+
+def _reference_round_trip(values):
+    codes, step, zero = _reference_quantize(values)
+    return ((codes - zero) * step).reshape(-1)
+
+
+def _reference_bytegrad(flats, size):
+    """Every rank's bucket quantized per chunk, the chunks averaged, the average quantized again."""
+    n = flats[0].numel()
+    chunk = -(-(-(-n // size)) // BLOCK) * BLOCK
+    rows = [torch.nn.functional.pad(flat, (0, size * chunk - n)).view(size, chunk) for flat in flats]
+    result = []
+    for j in range(size):
+        decoded = torch.stack([_reference_round_trip(r[j]) for r in rows])
+        result.append(_reference_round_trip(decoded.sum(dim=0).div(size)))
+    return torch.cat(result)[:n]
+
+
+def _broken_encode_rows(rows, zero_exact, levels):
+    """The codec with a wrong rounding (floor): the reference comparison must catch it."""
+    lo = rows.amin(dim=1, keepdim=True).clamp(max=0)
+    hi = rows.amax(dim=1, keepdim=True).clamp(min=0)
+    span = hi - lo
+    scale = torch.where(span > 0, levels / span, torch.zeros_like(span))
+    zero = (-lo * scale).round()
+    codes = (rows * scale).floor().add(zero).clamp(0, levels).to(torch.uint8)
+    return torch.cat([torch.cat([span / levels, zero], dim=1).view(torch.uint8), codes], dim=1)
+
+
+def _bytegrad_vs_reference(rank, world, broken):
+    import torch.distributed as dist
+
+    from bagua_integrations import get_algorithm
+    from bagua_integrations.distributed import comm
+
+    if broken:
+        bytegrad._encode_rows = _broken_encode_rows
+    codec = MinMaxUInt8(zero_exact=True, block=BLOCK, compile=True)
+    algorithm = get_algorithm("bytegrad", hierarchical=False, codec=codec)
+    g = torch.Generator().manual_seed(rank)
+    flat = torch.randn(5 * BLOCK + 333, generator=g) * (rank + 1)
+    flat[:BLOCK] = 0
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    comm.run(algorithm.average(flat, None), "bytegrad average")
+    kernel = bytegrad._kernel(bytegrad._average_chunks, True, True)
+    return {"same": torch.equal(flat, _reference_bytegrad(everyone, world)), "result": flat,
+            "compiled": kernel.compiled_calls > 0 and kernel.disabled_reason is None}
+
+
+@needs_compiler
+@pytest.mark.parametrize("world", [2, 3])
+def test_compiled_bytegrad_matches_plain_torch_bit_for_bit(world):
+    results = values(run_ranks(_bytegrad_vs_reference, world, args=(False,), timeout=240))
+    for rank, result in enumerate(results):
+        assert result["compiled"], f"rank {rank} ran the eager codec"
+        assert result["same"], f"rank {rank} differs from the reference"
+        assert torch.equal(result["result"], results[0]["result"])
+
+
+@needs_compiler
+def test_a_wrong_rounding_fails_the_reference():
+    results = values(run_ranks(_bytegrad_vs_reference, 2, args=(True,), timeout=240))
+    assert not any(result["same"] for result in results)
