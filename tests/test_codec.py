@@ -61,7 +61,7 @@ def test_compiled_codec_is_what_runs():
     _, compiled = _codecs(True)
     flat = torch.randn(3000)
     compiled.encode_chunks(flat, 2)
-    kernel = bytegrad._kernel(bytegrad._encode_chunks, True, True)
+    kernel = bytegrad._kernel(bytegrad._encode_blocks_into, True, True)
     assert kernel.disabled_reason is None and kernel.compiled_calls >= 1 and 1 <= kernel.graphs <= kernel.max_graphs
 
 

@@ -301,6 +301,24 @@ def sc_bytegrad_training(rank, world):
     return {"worst": worst, "params_same": params_same}
 
 
+def sc_bytegrad_stages_overlap_backward(rank, world):
+    """Each bucket's second stage (average, all-gather) is launched when the next bucket is,
+    during backward: collectives alternate all-to-all / all-gather, in one order on every rank."""
+    from bagua_integrations.distributed import comm
+
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped, optimizer = bagua_init(model, optimizer, "bytegrad", message_size=256)
+    x, y = global_batches(1, 4, world)[0]
+    kinds, record = [], comm.collective_log.record
+    comm.collective_log.record = lambda kind, tensor: (kinds.append(kind), record(kind, tensor))
+    try:
+        loss_fn(wrapped, shard(x, rank, world), shard(y, rank, world)).backward()
+    finally:
+        comm.collective_log.record = record
+    return {"kinds": kinds, "during_backward": wrapped.reducer.launched_during_backward}
+
+
 def sc_bytegrad_ddp_hook(rank, world):
     model = MLP()
     ddp = DDP(model, bucket_cap_mb=0.0005)
@@ -407,6 +425,15 @@ def test_bytegrad_training_steps_within_quantization_error(outcomes):
 def test_bytegrad_ddp_hook_within_quantization_error(outcomes):
     for result in _all(outcomes, "bytegrad_ddp_hook"):
         assert 0 < result["error"] <= result["bound"], result
+
+
+def test_bytegrad_runs_each_buckets_second_stage_during_backward(outcomes):
+    results = _all(outcomes, "bytegrad_stages_overlap_backward")
+    for result in results:
+        kinds = [kind for kind in result["kinds"] if kind in ("all_to_all", "all_gather")]
+        assert len(kinds) >= 6 and result["during_backward"] >= 2, result
+        assert kinds == ["all_to_all", "all_gather"] * (len(kinds) // 2), kinds
+    assert all(result["kinds"] == results[0]["kinds"] for result in results)
 
 
 def test_bytegrad_wire_bytes_at_most_27_percent_of_fp32(outcomes):

@@ -91,7 +91,7 @@ def _both(rank, world):
     from bagua_integrations.distributed.algorithms import bytegrad
 
     ours, reference = _train(rank, world, ours=True), _train(rank, world, ours=False)
-    encode = bytegrad._KERNELS.get((bytegrad._encode_chunks, True, False))
+    encode = bytegrad._KERNELS.get((bytegrad._encode_blocks_into, True, False))
     return ours, reference, bool(encode and encode.compiled_calls)
 
 

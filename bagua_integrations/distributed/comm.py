@@ -425,6 +425,14 @@ class Pending:
 
     def wait(self) -> None:
         while self._work is not None:
+            self.advance()
+
+    def advance(self) -> None:
+        """Wait for the collective in flight and run the next stage (its compute, and the launch
+        of its collective). Callers advance at points that are the same on every rank (the
+        reducer: when the next bucket is launched), so every rank issues collectives in the same
+        order."""
+        if self._work is not None:
             wait(self._work, self.timeout, self.what, self._site)
             self._work = self._next()
 

@@ -151,6 +151,11 @@ class Reducer:
         bucket = self.buckets[index]
         if self.join_state is not None:  # uneven inputs: the mean over the ranks that still have data
             self.join_state.contribute(bucket.flat, mean=not self.join_state.divide_by_initial_world_size)
+        if self._pendings and not self.algorithm.single_collective and self.algorithm.stages_overlap:
+            # A multi-stage bucket (bytegrad, qadam: all-to-all, then average and all-gather) takes
+            # its next stage now, while backward still runs, instead of after it; at the same
+            # point on every rank, so collectives stay in the same order everywhere.
+            self._pendings[-1].advance()
         stages = self.algorithm.bucket_stages(bucket.flat, bucket.members, self.group)
         self._pendings.append(comm.Pending(stages, self._what[index], self.timeout))
         self._next = index + 1

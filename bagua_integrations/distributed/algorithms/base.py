@@ -148,6 +148,10 @@ class GradientAlgorithm(Algorithm):
     exact = True
     #: True when :meth:`average` launches a single collective (so a DDP hook can stay async)
     single_collective = True
+    #: for multi-stage algorithms: whether the reducer runs a bucket's next stage when it launches
+    #: the next bucket (during backward) rather than after backward; False while the buckets are
+    #: single-stage (qadam's exact warm-up), where waiting early would only stall backward
+    stages_overlap = True
 
     def __init__(self, hierarchical: Optional[bool] = None, timeout: comm.Timeout = None, message_size: int = 10_000_000):
         super().__init__(hierarchical, timeout)

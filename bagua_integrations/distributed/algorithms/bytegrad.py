@@ -49,10 +49,9 @@ def _decode_rows(packed: torch.Tensor, zero_exact: bool, levels: int) -> torch.T
 # The codec's work on a whole bucket, each one pass over the data when compiled (CompiledFunction):
 # pure functions of tensors and Python constants, so the eager and the compiled forms give the same bits.
 
-def _encode_chunks(flat: torch.Tensor, chunks: int, chunk: int, block: int, zero_exact: bool, levels: int):
-    """``flat`` zero-padded to ``chunks`` rows of ``chunk`` elements, each encoded: (chunks, bytes)."""
-    rows = torch.nn.functional.pad(flat.to(torch.float32), (0, chunks * chunk - flat.numel()))
-    return _encode_rows(rows.view(-1, block), zero_exact, levels).view(chunks, -1)
+def _encode_blocks_into(values: torch.Tensor, out: torch.Tensor, zero_exact: bool, levels: int):
+    """``out`` (blocks, 8 + block) <- ``values`` (blocks, block) encoded, written in place."""
+    out.copy_(_encode_rows(values, zero_exact, levels))
 
 
 def _average_chunks(received: torch.Tensor, block: int, zero_exact: bool, levels: int):
@@ -152,8 +151,18 @@ class MinMaxUInt8:
         """The 1-D ``flat`` cut into ``chunks`` equal rows (zero-padded to whole blocks), each
         encoded: ``(chunks, bytes per row)`` uint8, the layout :meth:`encode` gives."""
         chunk = self.padded_length(-(-flat.numel() // chunks))
-        return _kernel(_encode_chunks, self.compile, self.zero_exact)(flat, chunks, chunk, self._block_for(chunk), self.zero_exact,
-                                                    self.levels)
+        block = self._block_for(chunk)
+        packed = torch.empty(chunks * chunk // block, self.header_bytes + block, dtype=torch.uint8, device=flat.device)
+        values = flat.reshape(-1).to(torch.float32)
+        full = values.numel() // block  # whole blocks straight from the bucket (no padded copy of it)
+        if full:
+            _kernel(_encode_blocks_into, self.compile, self.zero_exact)(
+                values[: full * block].view(full, block), packed[:full], self.zero_exact, self.levels)
+        if full < packed.shape[0]:  # the last partial block and the padding: a few blocks, eagerly
+            tail = torch.zeros((packed.shape[0] - full) * block, dtype=torch.float32, device=flat.device)
+            tail[: values.numel() - full * block] = values[full * block:]
+            packed[full:] = _encode_rows(tail.view(-1, block), self.zero_exact, self.levels)
+        return packed.view(chunks, -1)
 
     def average_chunks(self, received: torch.Tensor, chunk: int) -> torch.Tensor:
         """``received`` (ranks, bytes) holds one encoded row of ``chunk`` elements per rank:

@@ -186,6 +186,7 @@ class QAdamAlgorithm(GradientAlgorithm):
             self._folded[id(param)] = self.optimizer.state[param]["step"]
             grad.lerp_(self.optimizer.state[param]["exp_avg"], groups[id(param)]["betas"][0])
         deciding = [past for past in phases if past is not None]
-        if deciding and all(deciding):
+        self.stages_overlap = bool(deciding) and all(deciding)  # compressed: two stages (see GradientAlgorithm)
+        if self.stages_overlap:
             return self.stages(flat, group, average=self._compressed.average)
         return self.stages(flat, group)
