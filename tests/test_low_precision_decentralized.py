@@ -91,8 +91,10 @@ def _both(rank, world):
     from bagua_integrations.distributed.algorithms import bytegrad
 
     ours, reference = _train(rank, world, ours=True), _train(rank, world, ours=False)
-    encode = bytegrad._KERNELS.get((bytegrad._encode_blocks_into, True, False))
-    return ours, reference, bool(encode and encode.compiled_calls)
+    from bagua_integrations.distributed.algorithms import low_precision_decentralized as lpd
+
+    kernels = [bytegrad._KERNELS.get((fn, True, False)) for fn in (bytegrad._encode_blocks_into, lpd._finish_round)]
+    return ours, reference, all(kernel is not None and kernel.compiled_calls for kernel in kernels)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-codec", "compiled-codec"])

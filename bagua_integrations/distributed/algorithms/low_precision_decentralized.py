@@ -30,7 +30,8 @@ import torch
 from .. import comm
 from ..errors import AlgorithmConfigError, CheckpointError
 from .base import ModelAlgorithm
-from .bytegrad import MinMaxUInt8
+from ..._torch_compat import compiled_kernels_may_fuse_multiply_add
+from .bytegrad import MinMaxUInt8, _decode_rows, _kernel
 from .registry import register_algorithm
 
 __all__ = ["LowPrecisionDecentralized", "CHUNK"]
@@ -41,6 +42,17 @@ CHUNK = 1024  # elements quantized with one min/max pair
 def ring_neighbours(rank: int, size: int):
     """(left, right) of ``rank`` in a ring of ``size`` (the same rank twice when ``size == 2``)."""
     return (rank - 1) % size, (rank + 1) % size
+
+
+def _finish_round(flat, own, left_copy, right_copy, mine, from_left, from_right, block: int, levels: int):
+    """Each public copy moves by the difference its owner sent, then the gossip step: one pass
+    over the weights and the three copies when compiled; the eager form runs the same operations
+    in the same order (so ranks that compiled and ranks that did not keep equal copies)."""
+    n = flat.numel()
+    for public_copy, packed in ((own, mine), (left_copy, from_left), (right_copy, from_right)):
+        decoded = _decode_rows(packed.view(-1, 8 + block), False, levels).view(-1)[:n]
+        public_copy.add_(decoded.to(public_copy.dtype))
+    flat.add_(torch.add(left_copy, right_copy).sub_(own, alpha=2).div_(3))
 
 
 @register_algorithm("low_precision_decentralized")
@@ -116,10 +128,11 @@ class LowPrecisionDecentralized(ModelAlgorithm):
         else:
             from_right = torch.empty_like(mine)
             yield comm.ring_exchange(mine, from_left, from_right, ranks[left], ranks[right], group)
-        chunk, decoded = self.codec.padded_length(flat.numel()), torch.empty_like(own)
-        for public_copy, packed in ((own, mine), (left_copy, from_left), (right_copy, from_right)):
-            public_copy.add_(self.codec.decode_into(packed, decoded, chunk))
-        flat.add_(torch.add(left_copy, right_copy).sub_(own, alpha=2).div_(3))
+        compile = self.codec.compile
+        if compiled_kernels_may_fuse_multiply_add(flat.device.type):
+            compile = False  # the public copies must get the same bits on every rank, compiled or not
+        _kernel(_finish_round, compile, False)(flat, own, left_copy, right_copy, mine, from_left, from_right,
+                                               CHUNK, self.codec.levels)
 
     def update(self, step: int, group) -> bool:
         if not comm.is_distributed(group) or step % self.communication_interval:
