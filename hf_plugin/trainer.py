@@ -28,6 +28,7 @@ from ._algorithms import (
     check_model_selection,
     load_algorithm,
 )
+from ._hf_compat import trainer_run_dir
 from .errors import UnsupportedSetupError
 from .optimizer import fuse_for_frameworks, is_fused, require_step_fused, unwrap_optimizer
 
@@ -128,7 +129,7 @@ class BaguaAlgorithmCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if self.attachment is None:
             return
-        folder = _checkpoint_folder(args, state)
+        folder = _checkpoint_folder(self.trainer, state)
         os.makedirs(folder, exist_ok=True)
         torch.save(self.attachment.rank_state_dict(), os.path.join(folder, _rank_file()))
 
@@ -155,7 +156,7 @@ class BaguaAlgorithmCallback(TrainerCallback):
             resume = get_last_checkpoint(args.output_dir)
         if isinstance(resume, (str, os.PathLike)):
             return os.fspath(resume)
-        return _checkpoint_folder(args, state)  # resumed some other way: where Trainer saved this step
+        return _checkpoint_folder(self.trainer, state)  # resumed some other way: where Trainer saved this step
 
     def on_train_end(self, args, state, control, **kwargs):
         # async averaging: end the background rounds with one synchronous average (Bagua's
@@ -172,10 +173,13 @@ class BaguaAlgorithmCallback(TrainerCallback):
         self.attachment.after_optimizer_step(step=state.global_step + 1)
 
 
-def _checkpoint_folder(args, state) -> str:
+def _checkpoint_folder(trainer: Trainer, state) -> str:
+    """The folder of Trainer's checkpoint at this step: under ``output_dir``, or during
+    ``hyperparameter_search`` under the trial's ``output_dir/run-<trial>`` (issue 29), so that each
+    trial's per-rank files sit beside that trial's checkpoint instead of overwriting each other."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    return os.path.join(trainer_run_dir(trainer), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
 
 def _rank_file() -> str:

@@ -7,9 +7,10 @@ this file holds what only pytest uses. One copy of each helper:
 * ``tests/_dist_utils.py``: ``free_port`` (every test that needs a TCP port), gloo ranks.
 * ``tests/_fused_utils.py``: the optimizer matrix of the fused-optimizer and compiled-step tests.
 * ``tests/_fairseq_utils.py``: ``fairseq_available`` / ``requires_fairseq`` and fairseq-train runs.
-* here: ``private_api_guard`` (the ``_torch_compat`` / ``_fairseq_compat`` tests), the report
-  header naming the versions whose private API those modules use, and a summary line when the
-  run created a framework's default output folder (``checkpoints/``, ...) in the checkout.
+* here: ``private_api_guard`` (the ``_torch_compat`` / ``_fairseq_compat`` / ``_hf_compat``
+  tests), the report header naming the versions whose private API those modules use, and a
+  summary line when the run created a framework's default output folder (``checkpoints/``, ...)
+  in the checkout.
 """
 
 from __future__ import annotations

@@ -15,8 +15,16 @@ state, same collectives), so there is nothing for a tolerance to absorb.
 * Accelerate (``hf_plugin.prepare(..., algorithm=...)``): ``accelerator.save_state`` at step 4,
   a fresh Accelerator ``load_state`` + ``skip_first_batches``.
 
+* Hyperparameter search (issue 29): ``trainer.hyperparameter_search(backend="optuna", n_trials=2)``
+  under ``decentralized`` writes each trial's ``bagua_rank{r}.pt`` into that trial's
+  ``run-<trial>/checkpoint-N`` (where Trainer writes the trial's checkpoint), none into
+  ``output_dir/checkpoint-N``, and ``train(resume_from_checkpoint="run-1/checkpoint-4")`` finds them.
+  Under DDP, transformers runs optuna on rank 0 and broadcasts each trial's parameters and number
+  to the other ranks (a ``FixedTrial``), so both ranks train, save and name the trial alike.
+
 One ``torchrun --standalone --nproc_per_node 2`` launch runs every case (this file is its own
-worker when run as a script); the test reads one JSON per case written by rank 0.
+worker when run as a script); the test reads one JSON per case written by rank 0. The search
+has a launch of its own (``SEARCH_CASES``), so that its test runs alone in a few seconds.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ ALGOS = sorted(ALGO_KWARGS)
 CASES = [f"{kind}-{name}" for kind in ("trainer", "accelerate") for name in ALGOS] + [
     f"missing-{name}" for name in ALGOS  # last: they leave a half-started Trainer behind
 ]
+SEARCH_CASES = ["search-decentralized"]
+SEARCH_TRIALS, SEARCH_STEPS, SEARCH_SAVE_EVERY = 2, 4, 2
 
 
 # --------------------------------------------------------------------------- worker (torchrun)
@@ -99,6 +109,45 @@ def run_missing_case(name, out_dir):
     else:
         outcome = {"error": None}
     return {"ranks": _gather(outcome)}
+
+
+def run_search_case(name, out_dir):
+    """``hyperparameter_search(backend="optuna")`` under a model algorithm, saving every 2 steps.
+
+    Returns, from rank 0's view of the disk, where every ``bagua_rank*.pt`` and every
+    ``trainer_state.json`` (Trainer's own checkpoint) landed, relative to ``output_dir``; then
+    every rank's outcome of resuming from the last trial's last checkpoint.
+    """
+    import _hf_utils as U
+    import hf_plugin
+    import torch.distributed as dist
+
+    U.reset_accelerate_state()
+    root = os.path.join(out_dir, f"search-{name}")
+    args = U.training_args(root, max_steps=SEARCH_STEPS, per_device_train_batch_size=4, save_strategy="steps",
+                           save_steps=SEARCH_SAVE_EVERY, ddp_timeout=60, logging_steps=100)
+    trainer = hf_plugin.BaguaTrainer(model_init=lambda: U.tiny_bert(), args=args, train_dataset=U.make_dataset(32),
+                                     eval_dataset=U.make_dataset(8, seed=5), bagua_algorithm=name,
+                                     bagua_algorithm_kwargs=ALGO_KWARGS[name])
+    trainer.hyperparameter_search(
+        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-4, 1e-3, log=True)},
+        backend="optuna", n_trials=SEARCH_TRIALS, direction="minimize",
+    )
+    dist.barrier()  # every rank has written its files
+    written = sorted(
+        os.path.relpath(os.path.join(folder, file), root)
+        for folder, _, files in os.walk(root)
+        for file in files
+        if file.startswith("bagua_rank") or file == "trainer_state.json"
+    )
+    last = os.path.join(root, f"run-{SEARCH_TRIALS - 1}", f"checkpoint-{SEARCH_STEPS}")
+    try:
+        trainer.train(resume_from_checkpoint=last)
+    except Exception as error:  # noqa: BLE001 - the test wants every rank's error and message
+        resumed = {"error": type(error).__name__, "message": str(error)[:600]}
+    else:
+        resumed = {"error": None, "updates": trainer.bagua_callback.attachment.updates}
+    return {"written": written, "resumed": _gather(resumed)}
 
 
 def _accelerate_run(out_dir, name, seed, save_dir=None, load_dir=None):
@@ -164,7 +213,8 @@ def main():
     sys.path.insert(0, str(HERE))
     out_dir, cases = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
-    runners = {"trainer": run_trainer_case, "accelerate": run_accelerate_case, "missing": run_missing_case}
+    runners = {"trainer": run_trainer_case, "accelerate": run_accelerate_case, "missing": run_missing_case,
+               "search": run_search_case}
     for case in cases:
         started = time.time()
         kind, _, name = case.partition("-")
@@ -181,15 +231,27 @@ def main():
 
 
 # --------------------------------------------------------------------------- tests
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def _require_two_rank_hf():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     pytest.importorskip("bagua_integrations.distributed")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is required")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    _require_two_rank_hf()
     out = tmp_path_factory.mktemp("hf_resume")
     return run_torchrun_cases(Path(__file__).resolve(), out, CASES, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def search_results(tmp_path_factory):
+    _require_two_rank_hf()
+    pytest.importorskip("optuna")
+    out = tmp_path_factory.mktemp("hf_search")
+    return run_torchrun_cases(Path(__file__).resolve(), out, SEARCH_CASES, timeout=240)
 
 
 def _assert_resume_is_exact(got):
@@ -224,6 +286,20 @@ def test_accelerate_save_load_state_resume_equals_uninterrupted(results, name):
     got = case_result(results, f"accelerate-{name}")
     assert any(f.startswith("custom_checkpoint_") for f in got["files"]), got["files"]
     _assert_resume_is_exact(got)
+
+
+def test_hyperparameter_search_writes_rank_files_into_each_trials_checkpoint(search_results):
+    """Issue 29: the per-rank files sit beside Trainer's checkpoint of the same trial, and resuming finds them."""
+    got = case_result(search_results, "search-decentralized")
+    checkpoints = [os.path.join(f"run-{trial}", f"checkpoint-{step}") for trial in range(SEARCH_TRIALS)
+                   for step in range(SEARCH_SAVE_EVERY, SEARCH_STEPS + 1, SEARCH_SAVE_EVERY)]
+    expected = sorted(os.path.join(folder, file) for folder in checkpoints
+                      for file in ("bagua_rank0.pt", "bagua_rank1.pt", "trainer_state.json"))
+    outside_trials = [path for path in got["written"] if not path.startswith("run-")]
+    assert not outside_trials, f"written outside the trials' run-<trial>/ folders: {outside_trials}"
+    assert got["written"] == expected
+    for rank, outcome in enumerate(got["resumed"]):
+        assert outcome == {"error": None, "updates": SEARCH_STEPS}, (rank, outcome)
 
 
 if __name__ == "__main__":
