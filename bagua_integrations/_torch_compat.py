@@ -47,6 +47,8 @@ __all__ = [
     "dynamo_dispatches_foreach_to_modes",
     "default_store",
     "process_group_timeout",
+    "gloo_honours_collective_timeouts",
+    "all_reduce_with_timeout",
 ]
 
 
@@ -347,3 +349,41 @@ def compiled_kernels_may_fuse_multiply_add(device_type: str) -> bool:
     except Exception:
         return True
     return getattr(getattr(inductor_config, "cpp", None), "enable_floating_point_contract_flag", "fast") != "off"
+
+
+# pytorch/pytorch#158128 (torch 2.9): ProcessGroupGloo applies a collective's own timeout
+# (``AllreduceOptions.timeout``); before, it ignored it and used the group's.
+_GLOO_COLLECTIVE_TIMEOUTS = _RELEASE >= "2.9"
+
+
+def gloo_honours_collective_timeouts() -> bool:
+    """Whether gloo ends a collective at the timeout :func:`all_reduce_with_timeout` gives it
+    (torch >= 2.9; checked: 2.10.0, 2.11.0, 2.13.0 and 2.14.1 do, 2.5.1 and 2.6.0 use the
+    process group's timeout instead)."""
+    return _GLOO_COLLECTIVE_TIMEOUTS
+
+
+def all_reduce_with_timeout(tensor: torch.Tensor, op, group, timeout):
+    """``dist.all_reduce(tensor, op, group, async_op=True)`` whose collective itself fails after
+    ``timeout`` (a ``timedelta``), not only a wait on it (where
+    :func:`gloo_honours_collective_timeouts`; elsewhere the group's timeout applies).
+
+    Why: ``work.wait(timeout)`` only stops *waiting*; gloo keeps running the collective until the
+    process group's own timeout (``init_process_group(timeout=...)``, 30 minutes by default), and
+    destroying the group (``destroy_process_group``, or the interpreter's teardown at exit) joins
+    gloo's worker thread, so a process that gave up on a peer at ``timeout`` still cannot exit
+    before the group's timeout. With the timeout on the collective, gloo ends it then.
+
+    Private: ``AllreduceOptions.timeout`` (an undocumented field of the options ``dist.all_reduce``
+    builds; unset, the group's timeout applies), set here and handed to ``ProcessGroup.allreduce``
+    as ``dist.all_reduce`` does. Plain tensors only (no complex views, no coalescing context).
+    """
+    import torch.distributed as dist
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):  # torch >= 2.10; the caller waits for the work
+        opts.asyncOp = True
+    opts.timeout = timeout
+    pg = dist.group.WORLD if group is None else group
+    return pg.allreduce([tensor], opts)

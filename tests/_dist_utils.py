@@ -2,12 +2,15 @@
 
 Workers get ``(rank, world_size, *args)`` after ``init_process_group`` (gloo, CPU, with a
 timeout); whatever they return or raise is written to a file, so a crashed, killed or hung
-rank can never hang the test: the parent kills every process at the deadline.
+rank can never hang the test: the parent kills every process at the deadline. With
+``exit_normally=True`` a worker then leaves like a script does (``atexit`` handlers, interpreter
+teardown), and :attr:`RankResult.exit_seconds` says how long that took.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection
 import os
 import socket
 import tempfile
@@ -35,6 +38,8 @@ class RankResult:
     traceback: Optional[str] = None
     exitcode: Optional[int] = None
     hung: bool = False
+    #: seconds from the worker's return to the end of its process (``exit_normally=True`` only)
+    exit_seconds: Optional[float] = None
 
     @property
     def ok(self) -> bool:
@@ -49,7 +54,7 @@ class RankResult:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: Dict[str, str],
-           result_dir: str, pg_timeout: float) -> None:
+           result_dir: str, pg_timeout: float, exit_normally: bool = False) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size))))
     torch.set_num_threads(1)
@@ -67,27 +72,42 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
         result["error_type"] = f"{type(error).__module__}.{type(error).__qualname__}"
         result["error"] = str(error)
         result["traceback"] = traceback.format_exc()
+    result["returned_at"] = time.time()
     torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    if exit_normally:
+        return  # atexit handlers and interpreter teardown run: the parent times them
     # Skip interpreter teardown: a peer may be gone and gloo's destructors may block.
     os._exit(0)
 
 
 def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), *, timeout: float = 240.0,
-              pg_timeout: float = 60.0, env: Optional[Dict[str, str]] = None) -> List[RankResult]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; never hangs."""
+              pg_timeout: float = 60.0, env: Optional[Dict[str, str]] = None,
+              exit_normally: bool = False) -> List[RankResult]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; never hangs.
+
+    ``exit_normally``: after ``fn`` returns, each process exits as a script does (atexit
+    handlers, interpreter teardown) instead of skipping teardown; ``exit_seconds`` of each
+    result is how long that took (a process still exiting at ``timeout`` is killed: ``hung``).
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     env = {k: str(v) for k, v in (env or {}).items()}
     with tempfile.TemporaryDirectory() as result_dir:
         procs = [
-            ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, env, result_dir, pg_timeout), daemon=True)
+            ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, env, result_dir, pg_timeout, exit_normally),
+                        daemon=True)
             for rank in range(world_size)
         ]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + timeout
+        ended_at: List[Optional[float]] = [None] * world_size
+        running = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+        while running and deadline > time.monotonic():
+            for sentinel in multiprocessing.connection.wait(list(running), timeout=deadline - time.monotonic()):
+                ended_at[running.pop(sentinel)] = time.time()
         for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
+            proc.join(max(0.0, deadline - time.monotonic()))  # an ended one is reaped at once
         hung = [proc.is_alive() for proc in procs]
         for proc in procs:
             if proc.is_alive():
@@ -103,6 +123,8 @@ def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), *, timeout: f
                 result.error_type = saved.get("error_type")
                 result.error = saved.get("error")
                 result.traceback = saved.get("traceback")
+                if exit_normally and ended_at[rank] is not None and "returned_at" in saved:
+                    result.exit_seconds = ended_at[rank] - saved["returned_at"]
             elif not hung[rank] and result.exitcode == 0:
                 result.error_type, result.error = "missing", "the worker exited without writing a result"
             results.append(result)

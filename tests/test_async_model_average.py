@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from _dist_utils import run_ranks, values
+from bagua_integrations import _torch_compat
 
 LR, STEPS, DIM = 0.1, 30, 64
 
@@ -250,3 +251,91 @@ def test_bad_settings_are_refused():
         get_algorithm("async", peer_selection_mode="shift_one")
     with pytest.raises(AlgorithmConfigError, match=">= 0"):
         get_algorithm("AsyncModelAverage", sync_interval_ms=-1)
+
+
+# ---------------------------------------------------------------------- leaving the process (issue 29)
+EXIT_TIMEOUT = 2.0  # the algorithm's timeout in the exit tests; the process group's is 30 s
+EXIT_MARGIN = 5.0  # generous, for a loaded machine: what is measured is a hang, not a speed
+
+
+def _leave(rank, world, log_dir, abort_at_end, peer_stays):
+    """Train with rounds running, then return: the process exits as a script does (atexit) and the
+    parent times it. Warnings (the exit abort warns where it cannot finish) go to a file per rank.
+    ``peer_stays``: rank 1 stays alive without reaching its own exit (a long evaluation or save)
+    until rank 0's process is gone, so rank 0 leaves with a peer that never comes."""
+    import os
+    import warnings
+
+    from bagua_integrations import bagua_init
+
+    log = os.path.join(log_dir, f"warnings{rank}.txt")
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        with open(log, "a") as handle:
+            handle.write(f"{category.__name__}: {message}\n")
+
+    warnings.showwarning = record
+    warnings.simplefilter("always")
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    wrapped, _ = bagua_init(model, optimizer, "async", sync_interval_ms=0, warmup_steps=2, timeout=EXIT_TIMEOUT)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        wrapped(_data(rank, step)).backward()
+        time.sleep(0.004 * (1 + rank))
+        optimizer.step()
+    rounds = wrapped.algorithm.rounds_started
+    if abort_at_end:
+        wrapped.algorithm.abort()  # as HF's callback does at the end of train()
+    if peer_stays and rank == 1:
+        store = _torch_compat.default_store()  # served by rank 0's process: fails once it is gone
+        give_up = time.monotonic() + 60
+        try:
+            while time.monotonic() < give_up:
+                store.check(["bagua_integrations/test/never-set"])
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - rank 0 has exited
+            pass
+    return {"rounds": rounds}
+
+
+def _exit_warnings(log_dir, rank):
+    import os
+
+    path = os.path.join(log_dir, f"warnings{rank}.txt")
+    return open(path).read() if os.path.exists(path) else ""
+
+
+def test_exit_with_rounds_running_is_prompt_when_every_rank_exits(tmp_path):
+    """The normal end of a loop that never aborts (fairseq): every rank's exit abort finishes the
+    rounds together, in well under the timeout, without a warning."""
+    results = run_ranks(_leave, 2, (str(tmp_path), False, False), timeout=120, pg_timeout=30, exit_normally=True)
+    for result in results:
+        assert result.ok, result.describe()
+        assert result.value["rounds"] >= 2, result.value  # rounds were running at exit
+        assert result.exit_seconds < EXIT_MARGIN, (result.rank, result.exit_seconds)
+        assert "could not finish" not in _exit_warnings(tmp_path, result.rank)
+
+
+@pytest.mark.skipif(not _torch_compat.gloo_honours_collective_timeouts(),
+                    reason="before torch 2.9 gloo runs a collective to the process group's timeout (documented)")
+def test_exit_with_a_peer_that_never_comes_warns_within_the_timeout(tmp_path):
+    """Issue 29: rank 0 leaves with rounds running while rank 1 is alive elsewhere. The exit abort
+    gives up after ``timeout`` with a warning; the process must then end, not wait in gloo until
+    the process group's own timeout (30 s here, 30 minutes by default) for the collective it gave up."""
+    results = run_ranks(_leave, 2, (str(tmp_path), False, True), timeout=150, pg_timeout=30, exit_normally=True)
+    leaving = results[0]
+    assert leaving.ok, leaving.describe()
+    assert leaving.exit_seconds < EXIT_TIMEOUT + EXIT_MARGIN, f"rank 0 took {leaving.exit_seconds:.1f} s to exit"
+    assert "async model averaging could not finish its rounds at exit" in _exit_warnings(tmp_path, 0)
+
+
+def test_exit_after_abort_waits_for_no_peer(tmp_path):
+    """Aborted at the end of training (HF's callback) and no round since: every rank already holds
+    the same weights and no round is running, so the exit has nothing to finish with its peers and
+    rank 0 leaves at once while rank 1 is still busy (a save, an evaluation), without a warning."""
+    results = run_ranks(_leave, 2, (str(tmp_path), True, True), timeout=150, pg_timeout=30, exit_normally=True)
+    leaving = results[0]
+    assert leaving.ok, leaving.describe()
+    assert leaving.exit_seconds < EXIT_MARGIN, f"rank 0 took {leaving.exit_seconds:.1f} s to exit"
+    assert "could not finish" not in _exit_warnings(tmp_path, 0)

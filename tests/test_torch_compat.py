@@ -446,6 +446,54 @@ def test_process_group_timeout_is_the_init_timeout(private_api, one_rank_gloo_gr
 TESTED.update({"default_store", "process_group_timeout"})
 
 
+# ------------------------------------------------------------------------------ all_reduce_with_timeout
+def _all_reduce_with_timeout(rank, world):
+    import datetime
+
+    import torch.distributed as dist
+
+    second = datetime.timedelta(seconds=1)
+    summed = torch.full((3,), float(rank + 1))
+    compat.all_reduce_with_timeout(summed, dist.ReduceOp.SUM, None, second).wait()
+    largest = torch.tensor([10 * rank], dtype=torch.int64)
+    compat.all_reduce_with_timeout(largest, dist.ReduceOp.MAX, dist.group.WORLD, second).wait()
+    store = compat.default_store()
+    message = None
+    if rank == 0:  # rank 1 never joins this one: gloo itself must end it after 1 s
+        alone = compat.all_reduce_with_timeout(torch.ones(1), dist.ReduceOp.SUM, None, second)
+        try:
+            alone.wait()  # no timeout here: only the collective's own can end it
+        except RuntimeError as error:
+            message = str(error)
+        store.set("compat/all_reduce_with_timeout", "done")
+    else:
+        store.wait(["compat/all_reduce_with_timeout"])
+    return {"summed": summed, "largest": int(largest.item()), "message": message}
+
+
+def test_all_reduce_with_timeout_reduces_and_gloo_ends_it_at_its_timeout():
+    """The process group's timeout is 8 s; a collective given 1 s must fail in gloo after 1 s
+    (gloo names the timeout it waited: 1000ms), not at the group's 8 s, where
+    gloo_honours_collective_timeouts() says so; before torch 2.9 gloo waits the group's 8 s."""
+    from _dist_utils import run_ranks
+
+    name = "all_reduce_with_timeout"
+    results = run_ranks(_all_reduce_with_timeout, 2, timeout=120, pg_timeout=8)
+    for result in results:
+        assert result.ok, changed(name, result.describe())
+        assert torch.equal(result.value["summed"], torch.full((3,), 3.0)), changed(name, f"sum {result.value['summed']}")
+        assert result.value["largest"] == 10, changed(name, f"max {result.value['largest']}")
+    message = results[0].value["message"]
+    assert message is not None, changed(name, "a collective no peer joined completed")
+    honoured = compat.gloo_honours_collective_timeouts()
+    waited = "1000ms" if honoured else "8000ms"
+    assert waited in message, changed("gloo_honours_collective_timeouts" if honoured or "1000ms" in message else name,
+                                      f"expected gloo to wait {waited}: {message}")
+
+
+TESTED.update({"all_reduce_with_timeout", "gloo_honours_collective_timeouts"})
+
+
 # ------------------------------------------------------------------------------ dynamo_dispatches_foreach_to_modes
 def test_dynamo_dispatches_foreach_to_modes_routes_clip_grad_norm_through_a_traced_mode(private_api):
     """Traced by Dynamo, a torch function mode must see clip_grad_norm_'s ``_foreach_norm``

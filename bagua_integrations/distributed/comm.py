@@ -147,9 +147,25 @@ def _launched(work, group, tensor: torch.Tensor):
 
 
 # ---------------------------------------------------------------------- async collectives
-def all_reduce(tensor, group=None, op=None):
+def all_reduce(tensor, group=None, op=None, timeout: Timeout = None):
+    """Launch a sum (or ``op``) allreduce of ``tensor`` over ``group``.
+
+    ``timeout``: for a CPU (gloo) tensor, the collective itself fails after it, not only a wait
+    on it. A collective that :func:`wait` gave up on otherwise keeps gloo busy until the process
+    group's own timeout (30 minutes by default), and destroying the group, which the interpreter
+    does at exit, waits for it: a process that gave up on a peer could not exit before then.
+    Gloo honours it from torch 2.9 (``_torch_compat.all_reduce_with_timeout``); before, the
+    group's timeout still ends the collective.
+    """
     collective_log.record("all_reduce", tensor)
-    return _launched(dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=True), group, tensor)
+    op = op or dist.ReduceOp.SUM
+    delta = as_timedelta(timeout)
+    if (delta is not None and tensor.device.type == "cpu" and not tensor.is_complex()
+            and _torch_compat.gloo_honours_collective_timeouts()):
+        work = _torch_compat.all_reduce_with_timeout(tensor, op, group, delta)
+    else:
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return _launched(work, group, tensor)
 
 
 def reduce(tensor, dst: int, group=None):
@@ -157,14 +173,15 @@ def reduce(tensor, dst: int, group=None):
     return _launched(dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True), group, tensor)
 
 
-def average(flat: torch.Tensor, group=None) -> Stages:
+def average(flat: torch.Tensor, group=None, timeout: Timeout = None) -> Stages:
     """Average ``flat`` in place over ``group``, as stages: divide by the group size, then sum-allreduce.
 
     Dividing first (as DDP and fairseq do) keeps half-precision sums in range and gives the
-    same bits as fairseq's own averaging. The one place this is written.
+    same bits as fairseq's own averaging. The one place this is written. ``timeout``: as
+    :func:`all_reduce`'s.
     """
     flat.div_(world_size(group))
-    yield all_reduce(flat, group)
+    yield all_reduce(flat, group, timeout=timeout)
 
 
 def broadcast(tensor, src: int, group=None):

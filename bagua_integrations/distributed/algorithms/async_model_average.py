@@ -17,10 +17,14 @@ ranks, so no update is lost or counted twice.
 end of training) lets every rank finish the same number of rounds, then averages the weights
 once synchronously: every rank then holds the same weights. :meth:`AsyncModelAverage.resume`
 starts the background rounds again. A process that exits with rounds running aborts the same
-way at exit (``atexit``, waiting at most a minute for its peers), so gloo is never torn down
-under a waiting round. A dead or stuck peer ends a round with
+way at exit (``atexit``; each collective waits at most a minute, or ``timeout`` if shorter, for
+its peers, then warns), so gloo is never torn down under a waiting round; after :meth:`abort`
+with no round since, or after a failure, the exit waits for no peer. A dead or stuck peer ends a
+round, or a collective of the stop protocol, with
 :class:`~bagua_integrations.distributed.CommunicationError` after ``timeout``; the training
-thread raises it at its next step, abort or resume, never hangs on it.
+thread raises it at its next step or abort, never hangs on it. The collective given up ends in
+gloo then too (torch >= 2.9), so the exit does not wait for the process group's own timeout
+(before torch 2.9 it does: gloo runs the collective to that timeout, 30 minutes by default).
 
 The first ``warmup_steps`` steps average weights synchronously after every step (every rank
 starts from the same point, as Bagua's warm-up does with synchronous gradient averaging).
@@ -33,6 +37,7 @@ act together settles the rounds in flight first (a small collective): a checkpoi
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import math
 import queue
@@ -54,7 +59,7 @@ from .registry import register_algorithm
 __all__ = ["AsyncModelAverage", "AsyncModelAverageAlgorithm"]
 
 _STOP = object()
-EXIT_TIMEOUT_S = 60.0  # longest the exit-time abort waits for a peer
+EXIT_TIMEOUT_S = 60.0  # longest each collective of the exit-time abort waits for a peer
 
 
 class _Averager(threading.Thread):
@@ -74,8 +79,8 @@ class _Averager(threading.Thread):
                 return
             index, flats = request
             try:
-                pendings = [comm.Pending(comm.average(flat, self.group), f"async model average round {index} "
-                                         f"({i + 1}/{len(flats)})", self.timeout) for i, flat in enumerate(flats)]
+                pendings = [comm.Pending(comm.average(flat, self.group, self.timeout), f"async model average round "
+                                         f"{index} ({i + 1}/{len(flats)})", self.timeout) for i, flat in enumerate(flats)]
                 for pending in pendings:
                     pending.wait()
             except BaseException as error:  # noqa: BLE001 - handed to the training thread
@@ -96,8 +101,9 @@ class AsyncModelAverage(ModelAlgorithm):
         warmup_steps: steps averaged synchronously after every step before the rounds start.
         timeout: how long a round (or the stop protocol) may wait for a peer before
             :class:`CommunicationError`; default: the session's, else the process group's.
-            After a failed round, averaging is over: every later step, abort or checkpoint
-            raises :class:`CommunicationError` (restart from a checkpoint).
+            After a failed round, or a failed collective of the stop protocol (an abort, or the
+            settling of a checkpoint, re-attach or weights load), averaging is over: every later
+            step, abort or checkpoint raises :class:`CommunicationError` (restart from a checkpoint).
     """
 
     name = "async"
@@ -179,7 +185,9 @@ class AsyncModelAverage(ModelAlgorithm):
     def _stop_worker(self) -> None:
         if self.worker is not None:
             self.worker.requests.put(_STOP)
-            self.worker.join(timeout=5.0)
+            # after a failure the worker has ended, or waits in a collective its peers never
+            # joined (until gloo's timeout ends it): waiting for it would only delay the exit
+            self.worker.join(timeout=5.0 if self._failed is None else 0.1)
             self.worker = None
         if self._exit_hook is not None:
             atexit.unregister(self._exit_hook)
@@ -187,8 +195,15 @@ class AsyncModelAverage(ModelAlgorithm):
 
     def _abort_at_exit(self) -> None:
         """A process leaving with rounds running (a loop that never called abort, fairseq): end them
-        the same way on every rank, or the interpreter tears gloo down under a waiting round."""
-        if self.worker is None or not dist.is_initialized() or self._failed is not None:
+        the same way on every rank, or the interpreter tears gloo down under a waiting round.
+
+        Nothing to end after :meth:`abort` (no round since: every rank holds the same weights),
+        nor after a failure (the peers are gone): those exits wait for no peer. Otherwise each
+        collective waits at most ``EXIT_TIMEOUT_S`` (or ``timeout``, if shorter), then a warning;
+        the collective given up ends in gloo then too (:func:`comm.all_reduce`'s ``timeout``), so
+        the interpreter's teardown of the process group does not wait for the group's timeout."""
+        if (self.worker is None or not dist.is_initialized() or self._failed is not None
+                or (self.aborted and self._in_flight is None)):
             self._stop_worker()
             self._destroy_group()
             return
@@ -247,11 +262,11 @@ class AsyncModelAverage(ModelAlgorithm):
         if self._in_flight is None:
             return False
         try:
-            index, error = self.worker.results.get(block=block, timeout=self._wait_seconds() if block else None)
+            index, error = self.worker.results.get(block=block, timeout=self._timeout_seconds() if block else None)
         except queue.Empty:
             if block:
                 self._failed = CommunicationError(
-                    f"async model average round {self.rounds_started} did not finish within {self._wait_seconds():.0f} s "
+                    f"async model average round {self.rounds_started} did not finish within {self._timeout_seconds():g} s "
                     "(a peer is stuck or gone); restart from a checkpoint"
                 )
                 raise self._failed from None
@@ -278,7 +293,11 @@ class AsyncModelAverage(ModelAlgorithm):
 
     def _timeout_seconds(self) -> float:
         """The round timeout: the algorithm's, else the process group's (as every other collective
-        of the package), else torch's default of 30 minutes."""
+        of the package), else torch's default of 30 minutes.
+
+        Also how long the training thread waits for a round's result: the round was launched
+        before it waits, with this timeout (the averaging group's, and its collectives' own), so
+        the worker reports the failure by then; at exit (a shorter timeout) it gives up first."""
         if self.timeout is not None:
             return self.timeout.total_seconds()
         try:
@@ -286,13 +305,9 @@ class AsyncModelAverage(ModelAlgorithm):
         except Exception:  # noqa: BLE001 - private torch API: unknown means torch's default
             return 1800.0
 
-    def _wait_seconds(self) -> float:
-        # the worker's own collectives time out first and report a CommunicationError
-        return self._timeout_seconds() + 30.0
-
     def _average_now(self, group, what: str) -> None:
         flats = self.pack.gather()
-        self.run([comm.average(flat, group) for flat in flats], what)
+        self.run([comm.average(flat, group, self.timeout) for flat in flats], what)
         self.pack.scatter()
 
     # ------------------------------------------------------------------ around evaluation, checkpoints
@@ -307,7 +322,8 @@ class AsyncModelAverage(ModelAlgorithm):
         if self.pack is None or not comm.is_distributed(self.group):
             return
         self._settle(apply=True, what="async abort")
-        self._average_now(self.group, "async abort: final synchronous average")
+        with self._failing():
+            self._average_now(self.group, "async abort: final synchronous average")
 
     def _settle(self, apply: bool, what: str) -> None:
         """Finish, on every rank, every round any rank has started (a collective), applying their
@@ -316,21 +332,33 @@ class AsyncModelAverage(ModelAlgorithm):
         if self.pack is None or not comm.is_distributed(self.group):
             return
         self._raise_if_failed()
-        started = torch.tensor([self.rounds_started], dtype=torch.int64, device=comm.small_tensor_device(self.group))
-        comm.run(iter([comm.all_reduce(started, self.group, op=dist.ReduceOp.MAX)]), f"{what}: rounds started",
-                 self.timeout)
-        target = int(started.item())
-        while True:
-            self._collect(block=True, apply=apply)
-            if self.rounds_started >= target:
-                break
-            self._start_round()  # a peer started one more round than this rank: join it
+        with self._failing():
+            started = torch.tensor([self.rounds_started], dtype=torch.int64, device=comm.small_tensor_device(self.group))
+            comm.run(iter([comm.all_reduce(started, self.group, op=dist.ReduceOp.MAX, timeout=self.timeout)]),
+                     f"{what}: rounds started", self.timeout)
+            target = int(started.item())
+            while True:
+                self._collect(block=True, apply=apply)
+                if self.rounds_started >= target:
+                    break
+                self._start_round()  # a peer started one more round than this rank: join it
+
+    @contextlib.contextmanager
+    def _failing(self):
+        """A collective of the stop protocol that fails ends averaging, as a failed round does:
+        the ranks may now be a round apart, and the exit waits for no peer."""
+        try:
+            yield
+        except CommunicationError as error:
+            if self._failed is None:
+                self._failed = error
+            raise
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
             raise CommunicationError(
-                f"async model averaging stopped after a failed round ({self._failed}); its peers may hold other "
-                "weights: restart every rank from a checkpoint"
+                f"async model averaging stopped after a failed collective ({self._failed}); its peers may hold "
+                "other weights: restart every rank from a checkpoint"
             ) from self._failed
 
     def state_dict(self):
