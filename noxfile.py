@@ -41,6 +41,8 @@ CORE_TESTS = [
     "tests/test_third_party_optimizers.py",
     "tests/test_distributed_api.py",
     "tests/test_join.py",
+    "tests/test_codec.py",
+    "tests/test_async_model_average.py",
 ]
 
 nox.options.default_venv_backend = "venv"

@@ -54,10 +54,10 @@ def _with_latency():
 
     plain = comm.all_reduce
 
-    def slow(tensor, group=None, op=None):
+    def slow(tensor, group=None, op=None, **kwargs):
         if tensor.numel() > 1000:  # bucket collectives, not the tuner's own small ones
             time.sleep(LATENCY)
-        return plain(tensor, group, op)
+        return plain(tensor, group, op, **kwargs)
 
     comm.all_reduce = slow
 
