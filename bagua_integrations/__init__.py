@@ -12,6 +12,7 @@ from .errors import (
     SharedParameterError,
     NotAnOptimizerError,
     NotElementwiseError,
+    LateReductionError,
 )
 from .fused_optimizer import (
     FlatSegment,
@@ -71,6 +72,7 @@ __all__ = [
     "EmptyOptimizerError",
     "AlreadyFusedError",
     "NotElementwiseError",
+    "LateReductionError",
     "LayoutChangedError",
     "SharedParameterError",
     "ShardedParameterError",

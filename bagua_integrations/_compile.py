@@ -23,7 +23,7 @@ import time
 import types
 import warnings
 from contextlib import contextmanager
-from typing import Optional
+from typing import Dict, FrozenSet, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -38,6 +38,7 @@ from ._torch_compat import (
     inductor_backend,
     math_pow_kept_symbolic,
 )
+from ._late_reductions import LateReduction, find_late_reduction, graph_findings
 from ._scalar_prologue import with_scalar_prologue
 from .errors import CompileFallbackWarning
 
@@ -163,6 +164,9 @@ class CompiledStep:
         self.compile_seconds = 0.0
         self.compiled_steps = 0
         self.disabled_reason = None
+        # run length -> param groups: the flat runs whose elements a new graph must not mix (set
+        # by the caller before each call; empty for segmented and per-tensor steps)
+        self.watched: Dict[int, FrozenSet[int]] = {}
         # Dynamo caches compiled graphs per code object; a private copy per optimizer keeps
         # one optimizer's graphs (and recompile limit) from crowding out another's.
         CompiledStep._instances += 1
@@ -172,6 +176,11 @@ class CompiledStep:
         dynamo_dispatches_foreach_to_modes()
 
     def _backend(self, graph_module, example_inputs):
+        # A new graph is compiled before any of its step runs: when it would mix the elements of a
+        # flat run of a group planned elementwise (a reduction that begins after the probes'
+        # window), the step is refused here and the group's path chosen again (_late_reductions.py).
+        for what, groups in graph_findings(graph_module, self.watched):
+            raise LateReduction(groups, what)
         self.graphs += 1
         return with_scalar_prologue(inductor_backend(), graph_module, example_inputs)
 
@@ -205,6 +214,9 @@ class CompiledStep:
                 floats = _float_hyperparameters(optimizer) if floats_need_a_direct_use() else ()
                 self._compiled(optimizer, raw_step, mode, floats)
         except Exception as exc:  # fullgraph: a failure happens before any tensor is updated
+            late = find_late_reduction(exc)
+            if late is not None:  # refused by _backend: nothing ran; the caller plans the group again
+                raise late from None
             self._disable(_describe(exc))
             return False
         if self.graphs > graphs_before:

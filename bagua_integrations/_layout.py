@@ -10,7 +10,7 @@ about steps: that is the planner's job (``_planner.py``).
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -119,6 +119,9 @@ class GroupLayout:
         # (_segmented.py): its runs hold parameters of one rank and reduce per parameter.
         self.segmented = False
         self.reason: Optional[str] = None  # why the group's parameters keep their unfused step
+        # elementwise: operations mixing a whole flat run that the probes found exact (a global norm),
+        # counted per step; checks of the real steps look for others (_late_reductions.py)
+        self.mixing: Counter = Counter()
         self.why: Dict[str, str] = {}  # path -> why the group (on some device) takes it
 
     @property
@@ -250,6 +253,7 @@ class FlatLayout:
         for (device, _), members in by_key.items():
             path = self.paths.choose(group, device)
             layout.why.setdefault(path.path, path.why)
+            layout.mixing |= Counter(dict(path.mixing))
             reason, segmented = path.refusal, path.path == SEGMENTED
             if segmented:
                 ranked = [p for p in members if 1 <= p.dim() <= MAX_RANK]
@@ -339,6 +343,27 @@ class FlatLayout:
             if self.on_refresh is not None:
                 self.on_refresh(self)
         return changed
+
+    def rebuild_group(self, index: int) -> None:
+        """Lay group ``index`` out again on the paths ``self.paths`` now gives it (after
+        ``PathChooser.choose_again``: its step began reducing over whole parameters). Its
+        parameters move into new flat buffers; their state follows on the next step (``sync_state``)."""
+        old = self.groups[index]
+        self.hooks.remove(old.slots())
+        try:
+            self._build_group(index, self.optimizer.param_groups[index])
+        except BaseException:  # (refused under on_unsupported="raise"): the group stays as it was
+            self.hooks.remove(self.groups[index].slots())
+            self.groups[index] = old
+            for buffer in old.buffers:
+                for slot in buffer.slots:
+                    if slot.param.requires_grad:
+                        self.hooks.add(slot, slot.param.register_post_accumulate_grad_hook(self._grad_hook(buffer, slot)))
+            raise
+        self.groups[index].own_keys = old.own_keys  # the step's bookkeeping keys stay known
+        self.generation += 1
+        if self.on_refresh is not None:
+            self.on_refresh(self)
 
     def _same_paths(self, layout: GroupLayout, group: Dict[str, Any]) -> bool:
         """Whether the group's new settings keep the paths chosen for it (then nothing is rebuilt:

@@ -16,6 +16,7 @@ answer per group settings and device, and keeps the reason for every path, so th
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -32,6 +33,9 @@ class GroupPath:
 
     path: str
     why: str
+    # elementwise: what one flat step did that mixes the whole flat tensor, found exact by the probe
+    # ((operation, count per step) pairs; _late_reductions)
+    mixing: Tuple[Tuple[str, int], ...] = ()
 
     @property
     def refusal(self) -> Optional[str]:
@@ -94,16 +98,37 @@ class PathChooser:
             return GroupPath(PER_TENSOR, self.wrapper_reason)
         if self.assume_elementwise:
             return GroupPath(ELEMENTWISE, "assume_elementwise=True (not probed)")
-        key = (repr(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names"))), device)
+        key = self._key(group, device)
         if key not in self._cache:
             self._cache[key] = self._probe(group, device)
         return self._cache[key]
 
-    def _probe(self, group, device) -> GroupPath:
-        not_elementwise = probe_elementwise(self.optimizer, group, device)
+    @staticmethod
+    def _key(group, device) -> Tuple[str, torch.device]:
+        return repr(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names"))), device
+
+    def choose_again(self, group: Dict[str, Any], device: torch.device, because: str,
+                     template: Optional[torch.Tensor] = None) -> GroupPath:
+        """The group's path probed again now (not cached), seeded with its current state --
+        ``template``'s (a parameter whose step was seen doing ``because``), the optimizer-level
+        state and the group's settings: a step count past a warm-up included. See :meth:`remember`."""
+        if self.wrapper_reason is not None or self.assume_elementwise:
+            return self.choose(group, device)
+        probed = self._probe(group, device, template)
+        return GroupPath(probed.path, f"probed again with its state after its step {because}: {probed.why}",
+                         probed.mixing)
+
+    def remember(self, group: Dict[str, Any], device: torch.device, path: GroupPath) -> None:
+        """Make ``path`` the group's path under its current settings (laying it out again takes it)."""
+        self._cache[self._key(group, device)] = path
+
+    def _probe(self, group, device, template=None) -> GroupPath:
+        mixing = Counter()
+        not_elementwise = probe_elementwise(self.optimizer, group, device, mixing, template)
         if not_elementwise is None:
-            return GroupPath(ELEMENTWISE, "its step is elementwise (checked against per-tensor steps on synthetic tensors)")
-        not_segmented = probe_segmented(self.optimizer, group, device)
+            return GroupPath(ELEMENTWISE, "its step is elementwise (checked against per-tensor steps on synthetic tensors)",
+                             tuple(sorted(mixing.items())))
+        not_segmented = probe_segmented(self.optimizer, group, device, template)
         if not_segmented is None:
             return GroupPath(SEGMENTED, f"not elementwise ({not_elementwise}); elementwise apart from reductions "
                                         "over whole parameters, which are computed per parameter")

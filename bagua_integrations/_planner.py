@@ -13,7 +13,8 @@ by one. Vocabulary (see also ``_flat.py``):
   recomputed from the state values after anything but a fused step may have changed them
   (an ordinary step, ``load_state_dict``, a layout change, an edit of the state between
   steps: see :class:`StateWatch`); a fused step gives every slot of a run one new token,
-  since it advanced them together.
+  since it advanced them together (shared with the runs that shared its token before the step:
+  they were advanced alike).
 * **per-tensor parameters** -- stepped with their own tensors: groups that are not
   elementwise, sparse gradients, and state not shaped like the parameter.
 """
@@ -423,9 +424,12 @@ class StepPlanner:
             entry = swapped_state.get(p)
             if entry is not None and state.get(p) is not entry:
                 self._put(state, p, entry)
+        renewed: Dict[int, object] = {}  # id(token before the step) -> token after it
         for run in plan.runs:
             new_state = swapped_state.get(run.proxy, {})
-            token = object()  # the run's slots were advanced together
+            # The run's slots were advanced together; runs that shared a token (equal scalar state)
+            # were advanced alike and share the new one (the eager step's check runs one of them).
+            token = renewed.setdefault(id(run.slots[0].token), object())
             for key, value in new_state.items():
                 seg = run.segmentation
                 if seg is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == seg.scalar_shape:

@@ -14,11 +14,13 @@ import functools
 import inspect
 from collections import OrderedDict, defaultdict
 from contextlib import contextmanager
+from collections import Counter
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._late_reductions import _SIZE_READS, watched
 from ._segmented import Segmentation, SegmentedMode, run_shape, segment_views, state_kind
 from ._torch_compat import tensor_version
 from .errors import FusionError
@@ -44,9 +46,6 @@ _NOT_COPIED = ("param_groups", "state", "_optimizer_step_pre_hooks", "_optimizer
                "step", "grad_scale", "found_inf")
 
 
-_T = torch.Tensor
-# Reading one of these of a flat tensor gives the whole buffer's size, not one parameter's.
-_SIZE_READS = {_T.numel, _T.nelement, _T.__len__, _T.size, _T.shape.__get__}
 
 
 class _SizeReads(TorchFunctionMode):
@@ -71,10 +70,10 @@ def _keeps_rng(probe):
     after fusing as without it, and so must the model's dropout."""
 
     @functools.wraps(probe)
-    def wrapped(optimizer, group, device):
+    def wrapped(optimizer, group, device, *args):
         cuda = [device.index or 0] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
-            return probe(optimizer, group, device)
+            return probe(optimizer, group, device, *args)
 
     return wrapped
 
@@ -98,6 +97,12 @@ def _probe_clone(optimizer: torch.optim.Optimizer, group: Dict[str, Any], params
     except Exception as exc:
         raise ProbeCopyError(f"{type(exc).__name__}: {exc}") from exc
     clone.state = defaultdict(dict)
+    # optimizer-level state (``self.state["k"]``, not keyed by a parameter) is copied as it is: a step
+    # count kept there decides, like the group's and the parameters', what the step does next
+    try:
+        clone.state.update(copy.deepcopy({k: v for k, v in optimizer.state.items() if not isinstance(k, torch.Tensor)}))
+    except Exception as exc:
+        raise ProbeCopyError(f"its optimizer-level state cannot be copied ({type(exc).__name__}: {exc})") from exc
     # the group's own values are copied too: after a first step some optimizers keep tensors there
     # (D-Adaptation's running sums), which the probe's steps would otherwise update in place
     try:
@@ -197,41 +202,54 @@ def _unpadded(flat: torch.Tensor, like) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-def _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator) -> None:
-    """Give the probe's copies state shaped like the real group's, when it already has some.
+def _seed_pieces(optimizer, group, like: List[torch.Tensor], generator, template: Optional[torch.Tensor] = None):
+    """State for each of the probe's tensors ``like``, shaped like the real group's, when it already has some.
 
     Some optimizers create their state in ``__init__`` and never lazily in ``step`` (torch's
-    Adagrad before 2.12 creates ``sum`` there), and a state loaded before fusing has values
-    the step builds on. Parameter-shaped entries become synthetic tensors of the probe's
-    shapes (a constant stays that constant, anything else gets random values of the same sign
-    and scale), the flat copy gets their concatenation; other entries are copied as they are.
+    Adagrad before 2.12 creates ``sum`` there), a state loaded before fusing has values the step
+    builds on, and a group probed again during training (``Fusion._replan``) has a step count
+    past its warm-up. Parameter-shaped entries become synthetic tensors of the probe's shapes (a
+    constant stays that constant, anything else gets random values of the same sign and scale);
+    other entries (step counts, per-parameter scalars) are copied as they are. Returns the state
+    per tensor and the parameter-shaped keys, or ``(None, ())`` where the group has no state yet.
+    The state copied is ``template``'s where given (a parameter of the group with state), else that
+    of the group's largest parameter with state.
     """
     with_state = [p for p in group["params"] if optimizer.state.get(p)]
     if not with_state:
-        return
+        return None, ()
     largest = max(with_state, key=lambda p: p.numel())  # its shape tells parameter-shaped state apart
+    if template is not None and optimizer.state.get(template):
+        largest = template
     template, real_shape = optimizer.state[largest], largest.shape
-    per_param: List[Dict[str, Any]] = [{} for _ in per_tensor]
-    flat_state: Dict[str, Any] = {}
+    per_param: List[Dict[str, Any]] = [{} for _ in like]
+    shaped = []
     for key, value in template.items():
         if isinstance(value, torch.Tensor) and value.shape == real_shape:
+            shaped.append(key)
             data = value.detach().double()
-            pieces = []
-            for p in per_tensor:
+            for p, state in zip(like, per_param):
                 if bool((data == data.reshape(-1)[0]).all()):
                     piece = torch.full(p.shape, float(data.reshape(-1)[0]), dtype=torch.float64)
                 else:
                     piece = torch.rand(p.shape, generator=generator, dtype=torch.float64) * float(data.abs().max())
                     if bool((data < 0).any()):
                         piece = piece * torch.randn(p.shape, generator=generator, dtype=torch.float64).sign()
-                pieces.append(piece.to(device=p.device, dtype=value.dtype))
-            for state, piece in zip(per_param, pieces):
-                state[key] = piece
-            flat_state[key] = _padded_cat(pieces)
+                state[key] = piece.to(device=p.device, dtype=value.dtype)
         else:
             for state in per_param:
                 state[key] = copy.deepcopy(value)
-            flat_state[key] = copy.deepcopy(value)
+    return per_param, tuple(shaped)
+
+
+def _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator, template=None) -> None:
+    """:func:`_seed_pieces` for the elementwise probe: ``opt_a``'s tensors get the pieces, its flat
+    tensor their padded concatenation (other entries: a copy)."""
+    per_param, shaped = _seed_pieces(optimizer, group, per_tensor, generator, template)
+    if per_param is None:
+        return
+    flat_state = {key: _padded_cat([state[key] for state in per_param]) if key in shaped else copy.deepcopy(value)
+                  for key, value in per_param[0].items()}
     for p, state in zip(per_tensor, per_param):
         opt_a.state[p] = state
     opt_b.state[flat] = flat_state
@@ -250,9 +268,16 @@ def _mismatch(name: str, per_tensor: torch.Tensor, flat: torch.Tensor) -> Option
 
 @_keeps_rng
 def probe_elementwise(
-    optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device
+    optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device, mixing: Optional[Counter] = None,
+    template: Optional[torch.Tensor] = None,
 ) -> Optional[str]:
-    """Return ``None`` if ``optimizer``'s step is elementwise under ``group``'s settings, else why not."""
+    """Return ``None`` if ``optimizer``'s step is elementwise under ``group``'s settings, else why not.
+
+    ``mixing``, when given, receives the operations of one flat step that mix the elements of the
+    whole flat tensor (a global gradient norm, D-Adaptation's sums; ``_late_reductions``), counted
+    per step (the most of any probe step): the step was found exact with them, so checks of the
+    real steps accept them and look only for others. ``template``: the parameter whose state seeds
+    the probe (see :func:`_seed_pieces`)."""
     generator = torch.Generator().manual_seed(1234)
     dtype = torch.float32
     init, grads = _synthetic(device, dtype, generator)
@@ -264,9 +289,10 @@ def probe_elementwise(
         opt_b = _probe_clone(optimizer, group, [flat])
     except ProbeCopyError as exc:
         return f"it cannot be copied to be probed on synthetic tensors ({exc})"
-    _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator)
+    _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator, template)
     step = type(optimizer).step
     sizes = _SizeReads(flat.numel())
+    flat_numel = {flat.numel(): {0}}  # what the flat tensor's operations are watched by
     closure = _Closure()
     with _untouched(optimizer):
         try:
@@ -275,8 +301,10 @@ def probe_elementwise(
                     p.grad = g.clone()
                 flat.grad = _padded_cat(step_grads)
                 closure.step(step, opt_a, n)
-                with sizes:
+                with watched(dict(flat_numel)) as watch, sizes:
                     closure.step(step, opt_b, n)
+                if mixing is not None:
+                    mixing |= watch.findings[0]
         except Exception as exc:  # the probe reports; the caller decides whether to raise
             return f"its step raised {type(exc).__name__} on synthetic tensors ({exc})"
     reason = closure.reevaluates(2 * (_PROBE_STEPS - 1))
@@ -336,7 +364,8 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat) -> Optional[str]:
 
 @_keeps_rng
 def probe_segmented(
-    optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device
+    optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device,
+    template: Optional[torch.Tensor] = None,
 ) -> Optional[str]:
     """Return ``None`` if ``optimizer``'s step is exact on segmented runs (``_segmented.py``), else why not.
 
@@ -344,7 +373,8 @@ def probe_segmented(
     padding between parameters, as the fused step lays them out. The first step runs per
     parameter on views of the runs (optimizers create their state lazily, per parameter), the
     later ones on the runs under :class:`SegmentedMode`; parameters and state must equal the
-    per-tensor optimizer's.
+    per-tensor optimizer's. Seeded, like :func:`probe_elementwise`, with the group's state where it
+    has some (``template``'s where given).
     """
     generator = torch.Generator().manual_seed(1234)
     init, grads = _synthetic(device, torch.float32, generator)
@@ -370,6 +400,10 @@ def probe_segmented(
         opt_b = _probe_clone(optimizer, group, views)
     except ProbeCopyError as exc:
         return f"it cannot be copied to be probed on synthetic tensors ({exc})"
+    per_param, _ = _seed_pieces(optimizer, group, per_tensor, generator, template)  # the group's state, if any
+    for p, view, state in zip(per_tensor, views, per_param or ()):
+        opt_a.state[p] = state
+        opt_b.state[view] = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
     step = type(optimizer).step
     closure = _Closure()
     with _untouched(optimizer):

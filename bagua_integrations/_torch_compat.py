@@ -49,6 +49,9 @@ __all__ = [
     "process_group_timeout",
     "gloo_honours_collective_timeouts",
     "all_reduce_with_timeout",
+    "aten_operator_packet",
+    "size_hint",
+    "exception_chain",
 ]
 
 
@@ -387,3 +390,35 @@ def all_reduce_with_timeout(tensor: torch.Tensor, op, group, timeout):
     opts.timeout = timeout
     pg = dist.group.WORLD if group is None else group
     return pg.allreduce([tensor], opts)
+
+
+def aten_operator_packet(name: str):
+    """``torch.ops.aten.<name>`` (an ``OpOverloadPacket``: its overloads carry ``torch.Tag``s), or None."""
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+    return packet if hasattr(packet, "overloads") else None
+
+
+def size_hint(value) -> "int | None":
+    """``value`` (an int or a ``torch.SymInt`` of a graph traced with dynamic shapes) as the int it
+    stands for in the call being compiled; None when that is not known.
+
+    Private: ``SymInt.node.hint``, the example value Dynamo traced with. Checked on torch 2.13.
+    """
+    if isinstance(value, int):
+        return value
+    node = getattr(value, "node", None)
+    hint = getattr(node, "hint", None)
+    return hint if isinstance(hint, int) else None
+
+
+def exception_chain(exc: BaseException):
+    """``exc`` and the exceptions it wraps: Dynamo wraps a backend's exception in
+    ``BackendCompilerFailed`` (private attribute ``inner_exception``), others chain ``__cause__``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__

@@ -2,9 +2,10 @@
 
 Like autograd's anomaly mode, a check users turn on when they want certainty rather than speed
 (``fuse_optimizer(opt, verify=N)`` or ``BAGUA_VERIFY_FUSED=N``). The probes decide each group's
-path from synthetic tensors at fuse time; what they cannot see (a branch that starts after their
-three steps, state kept on the optimizer keyed by ``id(p)``, a parameter attribute or name read
-by the step) shows up here, on the real parameters.
+path from synthetic tensors at fuse time; what they cannot see (state kept on the optimizer keyed
+by ``id(p)``, a parameter attribute or name read by the step, a reduction they saw whose effect
+starts later) shows up here, on the real parameters. (A reduction that *begins* after their three
+steps is caught before it runs, by default: ``_late_reductions.py``.)
 
 On a checked step, :class:`Reference` first runs the optimizer's **own unfused step on the real
 parameters** (their own identities, attributes and state), keeps its result, and puts every

@@ -30,6 +30,12 @@ class NotElementwiseError(FusionError):
     """
 
 
+class LateReductionError(NotElementwiseError):
+    """A param group fused elementwise began reducing over whole parameters after the probes'
+    window (e.g. clipping after a warm-up) and cannot switch to an exact path here; nothing of
+    that step was applied."""
+
+
 class LayoutChangedError(FusionError):
     """A fused parameter changed device, dtype or shape after fusing."""
 

@@ -16,6 +16,7 @@ import enum
 import weakref
 import types
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -23,11 +24,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason
+from ._late_reductions import RAISED, DryRun, LateReduction
 from ._per_tensor import Bookkeeping, PerTensorSteps
 from ._layout import FlatLayout, FusionConfig
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
-from ._planner import StepPlan, StepPlanner
-from ._probe import probe_per_tensor_calls
+from ._planner import Run, StepPlan, StepPlanner
+from ._probe import _PROBE_STEPS, probe_per_tensor_calls
 from ._segmented import NotSegmentable, SegmentedMode
 from ._state_dict import StateDictHooks
 from ._verify import verified
@@ -37,7 +39,9 @@ from .errors import (
     CompileFallbackWarning,
     EmptyOptimizerError,
     FusionError,
+    LateReductionError,
     NotAnOptimizerError,
+    NotElementwiseError,
 )
 
 __all__ = [
@@ -62,6 +66,14 @@ class LastStep(enum.Enum):
     FUSED = "fused"  # fuse_step(), or step() with replace_step=True
     ORDINARY = "ordinary"  # the class's own per-tensor step
 
+
+# torch.optim's own elementwise optimizers (the classes themselves): their steps are torch's code,
+# which mixes no parameter's elements at any step count or flag (tests/test_late_reductions.py runs
+# the dry run on each, every flag, 12 steps), so the eager dry run (_late_reductions.py) is skipped
+# for them; compiled steps are checked as for any optimizer (that check costs nothing per step).
+TORCH_ELEMENTWISE = tuple(c for c in (getattr(torch.optim, name, None) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop"))
+    if c is not None)
 
 # Graphs the per-tensor compiled step may build: one per distinct parameter shape (and state
 # layout) and param group (BERT-base: 8 shapes); beyond it the eager step runs.
@@ -147,6 +159,23 @@ def swapped_params_and_state(optimizer, group_params, state):
         optimizer.state = saved_state
 
 
+_CAUTION = {ELEMENTWISE: 0, SEGMENTED: 1, PER_TENSOR: 2}
+
+
+def _worst(paths) -> str:
+    return max((p.path for p in paths.values()), key=_CAUTION.__getitem__)
+
+
+def _describe_findings(what: List[str]) -> str:
+    """``"compute linalg_vector_norm over a whole flat run"`` and the like, for messages."""
+    ops = [w for w in what if not w.startswith(RAISED)]
+    parts = []
+    if ops:
+        parts.append(f"compute {', '.join(ops)} over a whole flat run")
+    parts += [f"fail when checked on copies ({w[len(RAISED):]})" for w in what if w.startswith(RAISED)]
+    return "; ".join(parts)
+
+
 class Fusion:
     """Everything :func:`fuse_optimizer` attaches to one optimizer (``optimizer._bagua_fusion``).
 
@@ -174,6 +203,14 @@ class Fusion:
         self.step_before_fusing = optimizer.__dict__.get("step")  # restored by unfuse()
         self._just_fused = False  # set by a fused step, consumed by its own post-hook
         self._replay = None  # during a step given a closure: the closure the optimizer's own step gets
+        # Steps planned elementwise are checked before they run for operations that mix the elements
+        # of a flat run (a reduction that begins after the probes' window; _late_reductions.py):
+        # compiled ones when a graph is compiled, eager ones by a dry run on copies.
+        self.dry_run = DryRun()
+        self.steps_seen = 0  # steps the optimizer took since fusing, fused or not (for messages)
+        # groups the probes, seeded with their state, found exact where the dry run could not run (it
+        # raised): not checked for the rest of this step, probed again when the next one raises too
+        self._unchecked: set = set()
         self.handles = [optimizer.register_step_post_hook(self._after_any_step)]
         if self.layout.wrapper_reason is None:  # (a wrapper may lack the hook dicts; nothing of it is fused)
             self.handles.append(optimizer.register_load_state_dict_post_hook(lambda _: self.planner.invalidate()))
@@ -231,6 +268,7 @@ class Fusion:
         return PerTensorSteps(CompiledStep(max_graphs=PER_TENSOR_MAX_GRAPHS))
 
     def _after_any_step(self, optimizer, args, kwargs) -> None:
+        self.steps_seen += 1
         if self._just_fused:
             self._just_fused = False
             self.stats.last_step = LastStep.FUSED
@@ -291,6 +329,120 @@ class Fusion:
             self._call_raw(raw_step)
 
     def _fused_step(self, optimizer) -> None:
+        """One fused step. A group planned elementwise whose step is about to mix the elements of its
+        flat runs in a way the probes did not see (a reduction that begins after their window) has
+        its path chosen again first; nothing of the step has run then (``_late_reductions.py``)."""
+        try:
+            for _ in range(len(optimizer.param_groups) + 1):
+                try:
+                    self._fused_step_once(optimizer)
+                    return
+                except LateReduction as late:
+                    self._replan(late)
+        finally:
+            self._unchecked.clear()
+        raise LateReductionError(  # (each re-plan changes a group's path or accepts what was seen: not reached)
+            f"{type(optimizer).__name__}: its fused step kept mixing whole flat runs after its param groups were "
+            "planned again; nothing of this step was applied. Train this optimizer unfused, and please report it."
+        )
+
+    def _replan(self, late: LateReduction) -> None:
+        """Choose the path of each group in ``late`` again with the probes, seeded with its current
+        state (which includes a step count past a warm-up), and lay it out on that path. Nothing of
+        the current step has run. Refused where the group cannot switch (on_unsupported="raise")."""
+        optimizer = self.optimizer
+        cls = type(optimizer).__name__
+        because = f"began to {late.what} at step {self.steps_seen + 1} after fusing"
+        for index in sorted(late.groups):
+            layout = self.layout.groups.get(index)
+            if layout is None or layout.path != ELEMENTWISE:
+                continue
+            group = optimizer.param_groups[index]
+            paths: Dict[torch.device, Any] = {}  # per device, the most cautious path any seeding gives
+            for template in late.templates.get(index) or [None]:
+                for buffer in layout.buffers:
+                    path = self.layout.paths.choose_again(group, buffer.device, because, template)
+                    known = paths.get(buffer.device)
+                    if known is None or _CAUTION[path.path] > _CAUTION[known.path]:
+                        paths[buffer.device] = path
+            if all(p.path == ELEMENTWISE for p in paths.values()):
+                # Exact with what was seen (the probes, seeded with this state, saw it too): accepted.
+                for p in paths.values():
+                    layout.mixing |= Counter(dict(p.mixing))
+                found = late.findings.get(index, Counter())
+                layout.mixing |= Counter({k: n for k, n in found.items() if not k.startswith(RAISED)})
+                if any(k.startswith(RAISED) for k in found):
+                    self._unchecked.add(index)  # this step only: the dry run cannot check it
+                continue
+            refused = next((p.why for p in paths.values() if p.path == PER_TENSOR), None)
+            if refused is not None and self.config.on_unsupported == "raise":
+                raise LateReductionError(
+                    f"{cls} param group {index} was fused elementwise, and its step {because} (a reduction over "
+                    f"whole parameters that began after the probes' {_PROBE_STEPS} steps, e.g. clipping after a "
+                    f"warm-up); probed again it cannot be fused exactly ({refused}). Nothing of this step was "
+                    "applied. Fuse with on_unsupported='fallback' (the default) to let the group switch to its "
+                    "exact unfused step, or train this optimizer unfused; and please report the optimizer."
+                )
+            before = {device: self.layout.paths.choose(group, device) for device in paths}
+            for device, path in paths.items():
+                self.layout.paths.remember(group, device, path)
+            try:
+                self.layout.rebuild_group(index)
+            except NotElementwiseError as exc:  # laying it out on that path is refused (do_flatten=False)
+                for device, path in before.items():
+                    self.layout.paths.remember(group, device, path)
+                raise LateReductionError(
+                    f"{cls} param group {index} was fused elementwise, and its step {because}; it cannot be "
+                    f"laid out again on the {_worst(paths)} path here ({exc}). Nothing of this step was applied. "
+                    "Fuse with on_unsupported='fallback' (the default), or train this optimizer unfused; and "
+                    "please report the optimizer."
+                ) from exc
+            self.planner.invalidate()
+            self.layout.warn_once(
+                f"late{index}:{self.layout.groups[index].path}",
+                f"{cls} param group {index} was fused elementwise, and its step {because}, after the probes' "
+                f"{_PROBE_STEPS} steps: it now takes the {self.layout.groups[index].path} path, exact. Nothing of "
+                "the step had been applied.",
+                stacklevel=6,  # (+1 in warn_once) _replan <- _fused_step <- Fusion.step <- _fused_step <- hook wrapper <- user
+            )
+
+    def _runs_to_check(self, plan: StepPlan) -> List[Tuple[int, Run]]:
+        """``(group index, run)`` for each run of several parameters of a group planned elementwise
+        (assume_elementwise=True: none, the user vouched for the update)."""
+        if self.config.assume_elementwise:
+            return []
+        groups = {id(buffer): index for index, layout in self.layout.groups.items()
+                  if layout.path == ELEMENTWISE and index not in self._unchecked for buffer in layout.buffers}
+        if not groups:
+            return []
+        return [(groups[id(run.buffer)], run) for run in plan.runs
+                if run.segmentation is None and run.last - run.first > 1 and id(run.buffer) in groups]
+
+    def _check_dry(self, raw_step, checked: List[Tuple[int, Run]], always: bool = False) -> None:
+        """The dry run of this step (one run per group, scalar state, device and dtype: their steps
+        take one course); raises LateReduction for what the probes did not see. Skipped for
+        torch.optim's own elementwise optimizers (``TORCH_ELEMENTWISE``) unless ``always``."""
+        if not always and type(self.optimizer) in TORCH_ELEMENTWISE:
+            return
+        chosen = {}
+        for index, run in checked:
+            chosen.setdefault((index, run.slots[0].token, run.proxy.device, run.proxy.dtype), (index, run))
+        runs = list(chosen.values())
+        findings = self.dry_run.findings(self.optimizer, raw_step, runs, self._replay)
+        by_group: Dict[int, Counter] = {}
+        new: set = set()
+        templates: Dict[int, List[torch.Tensor]] = {}
+        for k, found in findings.items():
+            index, run = runs[k]
+            by_group[index] = by_group.get(index, Counter()) | found
+            extra = found - self.layout.groups[index].mixing
+            if extra:
+                new.update(extra)
+                templates.setdefault(index, []).append(run.slots[0].param)
+        if new:
+            raise LateReduction(templates, _describe_findings(sorted(new)), by_group, templates)
+
+    def _fused_step_once(self, optimizer) -> None:
         plan = self.planner.plan(self._run_cap())  # (refreshes the layout: settings changed since are seen)
         swapped = plan.swapped_state(optimizer.state)
         compiled = []
@@ -328,11 +480,30 @@ class Fusion:
         """The optimizer's own step (without its hooks) over the swapped-in flat tensors."""
         optimizer = self.optimizer
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
+        checked = self._runs_to_check(plan)
         # The first step creates state lazily; tracing it would cost a throw-away graph.
         ready = self.compiled_step is not None and bool(plan.runs) and all(run.state for run in plan.runs)
-        if ready and self._replay is None and self.compiled_step(optimizer, raw_step):
-            return True
+        if ready and self._replay is None:
+            watched: Dict[int, frozenset] = {}  # a new graph must not mix the elements of these runs
+            for index, run in checked:
+                length = run.end - run.start
+                watched[length] = watched.get(length, frozenset()) | {index}
+            self.compiled_step.watched = watched
+            try:
+                compiled = self.compiled_step(optimizer, raw_step)
+            except LateReduction:
+                # A new graph mixes whole flat runs (refused before it ran). The dry run tells whether
+                # that is what the probes saw and found exact (a global norm: the graph is compiled)
+                # or something new (raised: the group's path is chosen again).
+                with self._eager_grad_mode(strips_grad_mode):
+                    self._check_dry(raw_step, checked, always=True)
+                self.compiled_step.watched = {}
+                compiled = self.compiled_step(optimizer, raw_step)
+            if compiled:
+                return True
         with self._eager_grad_mode(strips_grad_mode):
+            if checked:
+                self._check_dry(raw_step, checked)
             self._call_raw(raw_step)
         return False
 
@@ -467,9 +638,13 @@ def fuse_optimizer(
             parameter per call where that is exact, with one :class:`FusionFallbackWarning`
             naming the reason; ``"raise"`` raises :class:`NotElementwiseError` instead, for
             users who want a guarantee that everything is fused. :func:`fusion_report` says
-            which path each group takes and why.
+            which path each group takes and why. A group whose step begins reducing over whole
+            parameters after the probes' three steps (clipping after a warm-up) is seen before
+            that step runs and switches to an exact path then (one warning); under ``"raise"``,
+            where that path is its unfused step, that step raises :class:`LateReductionError`
+            with nothing of it applied.
         assume_elementwise: skip the probe and fuse anyway (only when you know the update is
-            elementwise; a wrong guess changes the math).
+            elementwise; a wrong guess changes the math, and nothing checks it later).
         compile: run each step as compiled kernels generated from the optimizer's own step
             (``torch.compile``/Inductor). ``"auto"`` compiles when the fused buffers hold at least
             2**20 elements and a compiler works; ``True`` always tries; ``False`` stays eager. A

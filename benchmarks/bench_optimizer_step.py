@@ -11,6 +11,7 @@ Compile time is measured separately and kept out of the step times.
     python benchmarks/bench_optimizer_step.py --rows unfusable          # Adafactor: eager vs compiled per parameter
     python benchmarks/bench_optimizer_step.py --rows traffic            # memory traffic alone, per step pattern
     python benchmarks/bench_optimizer_step.py --rows verify             # the cost of a step checked by verify=N
+    python benchmarks/bench_optimizer_step.py --rows late-check         # the cost of the late-reduction check
     python benchmarks/bench_optimizer_step.py --rows LAMB,fused=True   # rows whose name contains one of these
 
 On CUDA each step is timed with CUDA events (median of --repeats, default 50), the host time of
@@ -81,7 +82,7 @@ def rows(shapes, device="cpu", dtype=torch.float32):
     zero-argument step function and the optimizer."""
 
     def build_with(make, on_unsupported="raise"):
-        def rows_for(fuse=None, torch_compile=False, verify=0):
+        def rows_for(fuse=None, torch_compile=False, verify=0, late_check=True):
             def build(params):
                 opt = make(params)
                 if torch_compile:
@@ -89,6 +90,8 @@ def rows(shapes, device="cpu", dtype=torch.float32):
                 if fuse is None:
                     return opt.step, opt
                 fuse_optimizer(opt, compile=fuse, on_unsupported=on_unsupported, verify=verify)
+                if not late_check:
+                    late_reduction_check_off(opt)
                 return opt.fuse_step, opt
             return build
         return rows_for
@@ -122,7 +125,10 @@ def rows(shapes, device="cpu", dtype=torch.float32):
         ("pytorch-optimizer Lamb fused (segmented), compiled", pytorch_optimizer_lamb(fuse=True)),
         ("BertAdam max_grad_norm=-1 per-tensor", bert_adam_no_clip()),
         ("BertAdam max_grad_norm=-1 fused, eager", bert_adam_no_clip(fuse=False)),
+        # the check for reductions that begin after the probes' window (the eager step's dry run), off
+        (f"BertAdam max_grad_norm=-1 fused, eager, {CHECK_OFF}", bert_adam_no_clip(fuse=False, late_check=False)),
         ("BertAdam max_grad_norm=-1 fused, compiled", bert_adam_no_clip(fuse=True)),
+        (f"BertAdam max_grad_norm=-1 fused, compiled, {CHECK_OFF}", bert_adam_no_clip(fuse=True, late_check=False)),
         ("torch AdamW foreach=False", adamw(foreach=False)),
         ("torch AdamW foreach=True", adamw(foreach=True)),
         (TORCH_FUSED, adamw(fused=True)),
@@ -133,6 +139,17 @@ def rows(shapes, device="cpu", dtype=torch.float32):
         ("Adafactor fallback (per-tensor), compiled per parameter", adafactor(fuse=True)),
         ("torch.compile(Adafactor.step)", adafactor(torch_compile=True)),
     ]
+
+
+CHECK_OFF = "late-reduction check off"
+
+
+def late_reduction_check_off(opt) -> None:
+    """Switch off, for this fused optimizer, the check that a step planned elementwise does not
+    begin to reduce over whole parameters (bagua_integrations/_late_reductions.py): the eager
+    step's dry run and the compiled step's graph check. Only to time what the check costs."""
+    fusion = opt._bagua_fusion
+    fusion._runs_to_check = lambda plan: []
 
 
 # Memory traffic alone, in the patterns of the steps above: compiled kernels over one flat buffer
@@ -205,6 +222,8 @@ ROW_SETS = {
     "elementwise": ["max_grad_norm=-1", "torch AdamW", "torch.compile(AdamW.step)"],
     "unfusable": ["Adafactor"],
     "verify": ["BertAdam fused (segmented), compiled", "verify=1"],
+    # the late-reduction check's cost per step: each row beside the same row with the check off
+    "late-check": ["BertAdam max_grad_norm=-1 fused, "],
     "traffic": [TRAFFIC],
 }
 
@@ -340,7 +359,9 @@ def main(argv=None):
                         help="'bert' (default: BertAdam with per-parameter clipping, LAMB, their torch.compile peers), "
                         "'elementwise' (BertAdam without clipping, torch AdamW variants), 'unfusable' (Adafactor: "
                         "its exact step per parameter, eager and compiled), 'traffic' (the memory traffic of each "
-                        "step's pattern alone), 'all' (needs ~28 GB on BERT-base), or comma-separated substrings of row names")
+                        "step's pattern alone), 'late-check' (BertAdam without clipping, eager and compiled, each with and without "
+                        "the check for reductions that begin after the probes' window), 'all' (needs ~35 GB on BERT-base), "
+                        "or comma-separated substrings of row names")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -361,6 +382,9 @@ def main(argv=None):
     wanted = ROW_SETS.get(args.rows) or [w.strip() for w in args.rows.split(",") if w.strip()]
     chosen = [(name, build) for name, build in all_rows if args.rows == "all" or name in (BASELINE, TORCH_FUSED)
               or any(w in name for w in wanted)]
+    # rows with the late-reduction check off only where asked for (--rows late-check, all, or by name)
+    chosen = [(name, build) for name, build in chosen
+              if CHECK_OFF not in name or args.rows in ("late-check", "all") or CHECK_OFF in args.rows]
     # param, grad and two state tensors per row (the traffic-only rows share one set)
     need = (sum(not name.startswith(TRAFFIC) for name, _ in chosen) + any(name.startswith(TRAFFIC) for name, _ in chosen)
             ) * 4 * numel * dtype.itemsize

@@ -63,3 +63,19 @@ def assert_same_state(opt_a, opt_b, rtol=1e-6, atol=1e-7):
                 torch.testing.assert_close(va.float(), vb.float(), rtol=rtol, atol=atol, msg=lambda m: f"state[{index}][{key}]: {m}")
             else:
                 assert va == vb, (index, key, va, vb)
+
+
+def count_replans(monkeypatch):
+    """The calls of ``Fusion._replan`` (a group's path chosen again after the late-reduction check
+    saw something the probes did not; bagua_integrations/_late_reductions.py), as (class, what)."""
+    from bagua_integrations import fused_optimizer as fused_module
+
+    calls = []
+    original = fused_module.Fusion._replan
+
+    def counting(self, late):
+        calls.append((type(self.optimizer).__name__, late.what))
+        return original(self, late)
+
+    monkeypatch.setattr(fused_module.Fusion, "_replan", counting)
+    return calls

@@ -8,7 +8,8 @@ import torch
 
 import bagua_integrations._layout as layout_module
 from _fused_utils import TinyNet, assert_same_params, batches, train
-from bagua_integrations import fuse_optimizer, fusion_report
+from bagua_integrations import FusionFallbackWarning, fuse_optimizer, fusion_report
+from bagua_integrations import fused_optimizer as fused_module
 from bagua_integrations.fused_optimizer import _fusion
 from bagua_integrations.optim import BertAdam
 
@@ -35,12 +36,29 @@ def test_a_setting_changed_after_fusing_chooses_the_path_again(compile):
     assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
 
 
+def _late_reduction_check_off(monkeypatch):
+    """Switch off the check for reductions that begin after the probes' window (_late_reductions.py),
+    which would otherwise catch a change the settings check missed (tests/test_late_reductions.py)."""
+    monkeypatch.setattr(fused_module.Fusion, "_runs_to_check", lambda self, plan: [])
+
+
 def test_without_the_settings_check_the_change_is_silently_wrong(monkeypatch):
     monkeypatch.setattr(layout_module, "settings_signature", lambda group: ())
+    _late_reduction_check_off(monkeypatch)
     plain, _ = _clipping_switched_on_after_two_steps(False)
     fused, opt = _clipping_switched_on_after_two_steps(True)
     assert fusion_report(opt).group_paths == ["elementwise"]
     assert max((a - b).abs().max().item() for a, b in zip(plain.parameters(), fused.parameters())) > 1e-3
+
+
+def test_without_the_settings_check_the_late_reduction_check_catches_the_change(monkeypatch):
+    """Defence in depth: the clipping a setting switched on is a reduction the probes did not see."""
+    monkeypatch.setattr(layout_module, "settings_signature", lambda group: ())
+    plain, _ = _clipping_switched_on_after_two_steps(False)
+    with pytest.warns(FusionFallbackWarning, match="began to compute"):
+        fused, opt = _clipping_switched_on_after_two_steps(True)
+    assert fusion_report(opt).group_paths == ["segmented"]
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
 
 
 def test_a_scheduler_moving_lr_and_momentum_does_not_rebuild_anything():
@@ -116,11 +134,23 @@ def _model_with_marked_biases():
     return model
 
 
+# What the probes cannot see. (A reduction that begins after their window was one of these; it is
+# now caught before it runs, tests/test_late_reductions.py, and stays here with that check off, to
+# show that verification catches it too.)
+LATE = "a reduction after the probes' window (late-reduction check off)"
 CASES = {
-    "a reduction after the probes' window": (TinyNet, ClipsAfterWarmup),
+    LATE: (TinyNet, ClipsAfterWarmup),
     "state on the optimizer keyed by id(p)": (TinyNet, LrMultipliersOnSelf),
     "a parameter attribute": (_model_with_marked_biases, SkipsMarkedParameters),
 }
+
+
+@pytest.fixture
+def case_setup(monkeypatch):
+    def setup(case):
+        if case == LATE:
+            _late_reduction_check_off(monkeypatch)
+    return setup
 
 
 def _train_case(case, fuse, verify=None, steps=8):
@@ -134,15 +164,17 @@ def _train_case(case, fuse, verify=None, steps=8):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_these_cases_are_silently_wrong_without_verification(case):
+def test_these_cases_are_silently_wrong_without_verification(case, case_setup):
     """What the probes cannot see: the reason verification mode exists."""
+    case_setup(case)
     plain, _ = _train_case(case, False)
     fused, _ = _train_case(case, True)
     assert max((a - b).abs().max().item() for a, b in zip(plain.parameters(), fused.parameters())) > 1e-4
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_verification_catches_them_and_keeps_the_unfused_result(case):
+def test_verification_catches_them_and_keeps_the_unfused_result(case, case_setup):
+    case_setup(case)
     make_model, make_opt = CASES[case]
     plain, fused = make_model(), make_model()
     plain_opt = make_opt(plain.parameters())
@@ -164,6 +196,7 @@ def test_verification_catches_them_and_keeps_the_unfused_result(case):
 
 def test_the_settings_case_is_caught_by_verification_with_the_guard_off(monkeypatch):
     monkeypatch.setattr(layout_module, "settings_signature", lambda group: ())
+    _late_reduction_check_off(monkeypatch)
     with pytest.raises(FusionMismatchError, match="max_grad_norm|unfused update"):
         _clipping_switched_on_after_two_steps_verified()
 

@@ -31,10 +31,18 @@ from _fused_utils import TinyNet, assert_same_params, batches, train
 
 
 # =========================================================================== the real collection
-def test_pytorch_optimizer_collection_is_fused_exactly_or_runs_its_own_step():
+def test_pytorch_optimizer_collection_is_fused_exactly_or_runs_its_own_step(monkeypatch):
     pytest.importorskip("pytorch_optimizer")
     from _optimizer_sweep import sweep
+    from _fused_utils import count_replans
 
+    # every fused step here is eager (a small model, a closure) and checked by the late-reduction
+    # dry run (_late_reductions.py): it must never trip (D-Adaptation's and Prodigy's sums over the
+    # whole group are what their probes saw and found exact)
+    replans, dry_runs = count_replans(monkeypatch), set()
+    check_dry = fused_module.Fusion._check_dry
+    monkeypatch.setattr(fused_module.Fusion, "_check_dry", lambda self, *args, **kwargs: (
+        dry_runs.add(type(self.optimizer).__name__), check_dry(self, *args, **kwargs))[1])
     outcomes = sweep()
     counts = {}
     for o in outcomes:
@@ -48,6 +56,8 @@ def test_pytorch_optimizer_collection_is_fused_exactly_or_runs_its_own_step():
     # a regression floor (pytorch-optimizer 4.1.0): a mechanism that breaks drops these counts
     assert counts.get("segmented", 0) >= 11, counts
     assert through_buffers >= 69, counts
+    assert not replans and len(dry_runs) >= 50, (replans, len(dry_runs))  # (fails with the probes' findings
+    # not accepted: ASGD, DAdapt* and Prodigy are probed again, and DAdaptSGD's second group keeps its own step)
 
 
 @pytest.mark.parametrize("name", ["lamb", "lars", "novograd", "stableadamw"])

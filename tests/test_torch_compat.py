@@ -529,3 +529,50 @@ def test_dynamo_dispatches_foreach_to_modes_routes_clip_grad_norm_through_a_trac
 
 
 TESTED.add("dynamo_dispatches_foreach_to_modes")
+
+
+# ------------------------------------------------------------------------------ the late-reduction check's helpers
+def test_aten_operator_packet_carries_the_operators_tags(private_api):
+    """_late_reductions tells pointwise operators from reductions by ATen's own tags."""
+    with private_api("aten_operator_packet"):
+        add, total = compat.aten_operator_packet("add_"), compat.aten_operator_packet("sum")
+        assert any(torch.Tag.pointwise in getattr(add, o).tags for o in add.overloads()), changed("aten_operator_packet")
+        assert not any(torch.Tag.pointwise in getattr(total, o).tags for o in total.overloads())
+        assert compat.aten_operator_packet("no_such_operator_here") is None
+
+
+def test_size_hint_reads_the_value_a_symbolic_size_was_traced_with(private_api):
+    seen = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                seen.append(compat.size_hint(value.numel()))
+        return gm.forward
+
+    with private_api("size_hint"):
+        torch._dynamo.reset()
+        torch.compile(lambda x: x * 2, backend=backend, dynamic=True, fullgraph=True)(torch.ones(7))
+        assert seen and all(n == 7 for n in seen), changed("size_hint", f"saw {seen}")
+        assert compat.size_hint(5) == 5
+
+
+def test_exception_chain_reaches_what_a_backend_raised(private_api):
+    """CompiledStep._backend refuses a graph by raising; Dynamo wraps that exception."""
+
+    class Refused(Exception):
+        pass
+
+    def backend(gm, example_inputs):
+        raise Refused("refused")
+
+    with private_api("exception_chain"):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(lambda x: x + 1, backend=backend, fullgraph=True)(torch.ones(3))
+        assert any(isinstance(e, Refused) for e in compat.exception_chain(info.value)), changed(
+            "exception_chain", f"{type(info.value).__name__} does not lead to the backend's exception")
+
+
+TESTED.update({"aten_operator_packet", "size_hint", "exception_chain"})
