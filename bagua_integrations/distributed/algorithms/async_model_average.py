@@ -45,7 +45,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
