@@ -459,15 +459,18 @@ def _all_reduce_with_timeout(rank, world):
     compat.all_reduce_with_timeout(largest, dist.ReduceOp.MAX, dist.group.WORLD, second).wait()
     store = compat.default_store()
     message = None
-    if rank == 0:  # rank 1 never joins this one: gloo itself must end it after 1 s
+    # Rank 1 launches a collective rank 0 never joins: gloo itself must end it after 1 s. Rank 0 hosts
+    # the store and waits on it, so it is the last to use it (a waiting client on rank 1 could see
+    # the store's host exit first: "Connection reset by peer").
+    if rank == 1:
         alone = compat.all_reduce_with_timeout(torch.ones(1), dist.ReduceOp.SUM, None, second)
         try:
             alone.wait()  # no timeout here: only the collective's own can end it
         except RuntimeError as error:
             message = str(error)
         store.set("compat/all_reduce_with_timeout", "done")
-    else:
-        store.wait(["compat/all_reduce_with_timeout"])
+    else:  # longer than the group's 8 s, which gloo waits before torch 2.9 (the store's default is the same 8 s)
+        store.wait(["compat/all_reduce_with_timeout"], datetime.timedelta(seconds=60))
     return {"summed": summed, "largest": int(largest.item()), "message": message}
 
 
@@ -483,7 +486,7 @@ def test_all_reduce_with_timeout_reduces_and_gloo_ends_it_at_its_timeout():
         assert result.ok, changed(name, result.describe())
         assert torch.equal(result.value["summed"], torch.full((3,), 3.0)), changed(name, f"sum {result.value['summed']}")
         assert result.value["largest"] == 10, changed(name, f"max {result.value['largest']}")
-    message = results[0].value["message"]
+    message = results[1].value["message"]
     assert message is not None, changed(name, "a collective no peer joined completed")
     honoured = compat.gloo_honours_collective_timeouts()
     waited = "1000ms" if honoured else "8000ms"
