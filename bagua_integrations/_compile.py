@@ -153,6 +153,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
+def _private_copy(fn, name: str):
+    """``fn`` with its own code object named ``name``. Dynamo caches compiled graphs (and counts
+    recompiles against its limit) per code object: a private copy per user keeps one optimizer's
+    or codec's graphs from crowding out another's."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
 class CompiledStep:
     """Runs the optimizer's step compiled; counts graphs and compile time; falls back to eager."""
 
@@ -167,11 +175,8 @@ class CompiledStep:
         # run length -> param groups: the flat runs whose elements a new graph must not mix (set
         # by the caller before each call; empty for segmented and per-tensor steps)
         self.watched: Dict[int, FrozenSet[int]] = {}
-        # Dynamo caches compiled graphs per code object; a private copy per optimizer keeps
-        # one optimizer's graphs (and recompile limit) from crowding out another's.
         CompiledStep._instances += 1
-        code = _step_with_scalars_as_operands.__code__.replace(co_name=f"fused_step_{CompiledStep._instances}")
-        private = types.FunctionType(code, _step_with_scalars_as_operands.__globals__, code.co_name)
+        private = _private_copy(_step_with_scalars_as_operands, f"fused_step_{CompiledStep._instances}")
         self._compiled = torch.compile(private, backend=self._backend, fullgraph=True, dynamic=dynamic)
         dynamo_dispatches_foreach_to_modes()
 
@@ -255,9 +260,7 @@ class CompiledFunction:
         self.compiled_calls = 0
         self.disabled_reason = None
         CompiledFunction._instances += 1
-        # a private code object per instance: Dynamo's graph cache and recompile limit are per code object
-        code = fn.__code__.replace(co_name=f"{fn.__name__}_{CompiledFunction._instances}")
-        private = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        private = _private_copy(fn, f"{fn.__name__}_{CompiledFunction._instances}")
         self._compiled = torch.compile(private, backend=self._backend, fullgraph=True)
 
     def _backend(self, graph_module, example_inputs):

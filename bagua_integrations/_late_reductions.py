@@ -1,4 +1,4 @@
-"""A step planned elementwise that begins reducing over whole parameters later (issue 29, case 3).
+"""A step planned elementwise that begins reducing over whole parameters later.
 
 The probes (``_probe.py``) run a group's step for three steps on synthetic tensors. A step whose
 per-parameter reduction only begins after that::
@@ -58,6 +58,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._torch_compat import aten_operator_packet, exception_chain, size_hint
+from ._verify import _rng_devices
 
 __all__ = ["LateReduction", "graph_findings", "DryRun", "find_late_reduction", "function_kind", "watched", "RAISED"]
 
@@ -393,11 +394,9 @@ class DryRun:
         for key, value in optimizer.state.items():
             if not isinstance(key, torch.Tensor):  # optimizer-level state (``self.state["k"]``)
                 state[key] = _copied(value)
-        devices = set()
         for k, ((index, run), size) in enumerate(zip(runs, _SIZES)):
             carried[size] = {k}
             proxy = run.proxy
-            devices.add(proxy.device)
             dry = torch.nn.Parameter(torch.zeros(size, dtype=proxy.dtype, device=proxy.device),
                                      requires_grad=proxy.requires_grad)
             dry.grad = torch.zeros(size, dtype=proxy.grad.dtype, device=proxy.grad.device)
@@ -420,9 +419,8 @@ class DryRun:
         clone.param_groups = [dict({k: _copied(v) for k, v in g.items() if k != "params"}, params=params_by_group[i])
                               for i, g in enumerate(optimizer.param_groups)]
         clone.state = state
-        cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
         watch = watched(carried)
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=_rng_devices(run.proxy for _, run in runs)):
             try:
                 with watch:
                     if replay is None:

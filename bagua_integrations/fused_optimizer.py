@@ -440,7 +440,7 @@ class Fusion:
                 new.update(extra)
                 templates.setdefault(index, []).append(run.slots[0].param)
         if new:
-            raise LateReduction(templates, _describe_findings(sorted(new)), by_group, templates)
+            raise LateReduction(templates.keys(), _describe_findings(sorted(new)), by_group, templates)
 
     def _fused_step_once(self, optimizer) -> None:
         plan = self.planner.plan(self._run_cap())  # (refreshes the layout: settings changed since are seen)

@@ -175,7 +175,7 @@ class BaguaAlgorithmCallback(TrainerCallback):
 
 def _checkpoint_folder(trainer: Trainer, state) -> str:
     """The folder of Trainer's checkpoint at this step: under ``output_dir``, or during
-    ``hyperparameter_search`` under the trial's ``output_dir/run-<trial>`` (issue 29), so that each
+    ``hyperparameter_search`` under the trial's ``output_dir/run-<trial>``, so that each
     trial's per-rank files sit beside that trial's checkpoint instead of overwriting each other."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 

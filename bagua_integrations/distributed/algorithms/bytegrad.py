@@ -170,15 +170,18 @@ class MinMaxUInt8:
         return _kernel(_average_chunks, self.compile, self.zero_exact)(received, self._block_for(chunk), self.zero_exact, self.levels)
 
     def decode_into(self, packed: torch.Tensor, out: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Decode rows of ``chunk`` elements and write the first ``out.numel()`` values into ``out``.
-
-        Every rank decodes the same bytes and must get the same values: the min-max form
-        (``codes * step + lo``) runs eagerly where the compiler could fuse it into a multiply-add."""
-        compile = self.compile
-        if not self.zero_exact and compiled_kernels_may_fuse_multiply_add(packed.device.type):
-            compile = False
-        _kernel(_decode_into, compile, self.zero_exact)(packed, out, self._block_for(chunk), self.zero_exact, self.levels)
+        """Decode rows of ``chunk`` elements and write the first ``out.numel()`` values into ``out``."""
+        _kernel(_decode_into, self.decode_compile(packed.device), self.zero_exact)(
+            packed, out, self._block_for(chunk), self.zero_exact, self.levels)
         return out
+
+    def decode_compile(self, device: torch.device):
+        """The compile setting for decoding on ``device``. Every rank decodes the same bytes and must
+        get the same values, compiled or not: the min-max form (``codes * step + lo``) runs eagerly
+        where the compiler could fuse it into one multiply-add (one rounding instead of two)."""
+        if not self.zero_exact and compiled_kernels_may_fuse_multiply_add(device.type):
+            return False
+        return self.compile
 
 
 @register_algorithm("bytegrad")

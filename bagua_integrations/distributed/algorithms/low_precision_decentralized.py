@@ -30,7 +30,6 @@ import torch
 from .. import comm
 from ..errors import AlgorithmConfigError, CheckpointError
 from .base import ModelAlgorithm
-from ..._torch_compat import compiled_kernels_may_fuse_multiply_add
 from .bytegrad import MinMaxUInt8, _decode_rows, _kernel
 from .registry import register_algorithm
 
@@ -128,11 +127,9 @@ class LowPrecisionDecentralized(ModelAlgorithm):
         else:
             from_right = torch.empty_like(mine)
             yield comm.ring_exchange(mine, from_left, from_right, ranks[left], ranks[right], group)
-        compile = self.codec.compile
-        if compiled_kernels_may_fuse_multiply_add(flat.device.type):
-            compile = False  # the public copies must get the same bits on every rank, compiled or not
-        _kernel(_finish_round, compile, False)(flat, own, left_copy, right_copy, mine, from_left, from_right,
-                                               CHUNK, self.codec.levels)
+        # decodes: the public copies must get the same bits on every rank, compiled or not
+        _kernel(_finish_round, self.codec.decode_compile(flat.device), False)(
+            flat, own, left_copy, right_copy, mine, from_left, from_right, CHUNK, self.codec.levels)
 
     def update(self, step: int, group) -> bool:
         if not comm.is_distributed(group) or step % self.communication_interval:
