@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", default=None,
                         help=f"comma-separated rows; 'default' stands for the default rows "
                         f"({','.join(DEFAULT_ROWS)}: BertAdam with its defaults -- per-parameter clipping, its own "
-                        f"warmup/t_total schedule -- as the seed ran it, and torch AdamW), 'all' for every row "
+                        f"warmup/t_total schedule -- as Bagua's benchmark ran it, and torch AdamW), 'all' for every row "
                         f"({','.join(ROWS)}). The bertadam-globalclip* rows run BertAdam without its clipping and "
                         f"schedule, the front end clipping globally and scheduling instead (the recipe's earlier "
                         f"BertAdam rows), e.g. --rows default,bertadam-globalclip,bertadam-globalclip-fused-compiled")
@@ -269,7 +269,7 @@ def run_notes(args, preset: Preset, world: int, hw, hw_end, data_description: st
         "BertAdam's per-parameter clipping happens inside it); its share is that time over the mean update time "
         "(epoch time / updates).",
         "Final accuracy: validation accuracy after the last epoch. Speedup: baseline epoch time / row epoch time, "
-        "within each front end (baseline: BertAdam per-tensor with its defaults, the seed's 'w/o fused optimizer'; "
+        "within each front end (baseline: BertAdam per-tensor with its defaults, Bagua's 'w/o fused optimizer'; "
         "for the bertadam-globalclip* rows: bertadam-globalclip, when it ran).",
         "Median update: the median wall time of one update (all of it: data, forward, backward, clipping, step); "
         "bursts of other jobs on a shared machine move the epoch time much more than this median.",
@@ -280,7 +280,7 @@ def run_notes(args, preset: Preset, world: int, hw, hw_end, data_description: st
     ]
     if seed_rows:
         notes.append(
-            f"Rows {', '.join(seed_rows)}: BertAdam as the seed ran it, BertAdam(groups, lr={preset.lr}, "
+            f"Rows {', '.join(seed_rows)}: BertAdam as Bagua's benchmark ran it, BertAdam(groups, lr={preset.lr}, "
             f"warmup={preset.warmup_ratio:g}, t_total={total if total else 'updates'}) with every other argument at "
             "its default: max_grad_norm=1.0 clips each parameter's gradient to norm 1.0, schedule='warmup_linear'. "
             "The front end neither clips nor schedules for these rows (HF: max_grad_norm=0, constant scheduler; "

@@ -8,10 +8,10 @@ Model: fairseq's ``roberta`` architecture shrunk to the preset (layers, width, h
 ``--task sentence_prediction``'s classification head -- a BERT/RoBERTa-style sentence classifier.
 
 Rows: the recipe's user dir (``fairseq_user_dir/bert_recipe_fairseq``) registers ``bert_adam``
-(the seed's per-tensor BertAdam), ``torch_adamw`` (torch AdamW, foreach / fused / single) and
+(Bagua's per-tensor BertAdam), ``torch_adamw`` (torch AdamW, foreach / fused / single) and
 ``timed_sentence_prediction`` (the task, logging optimizer-step and epoch times); it imports
 ``fairseq_plugin``, so ``--optimizer bagua_fused --bagua-base-optimizer bert_adam`` is the fused
-BertAdam. For the rows of BertAdam with its defaults (``row.bertadam_defaults``, the seed's rows)
+BertAdam. For the rows of BertAdam with its defaults (``row.bertadam_defaults``, Bagua's rows)
 BertAdam clips each parameter's gradient (``--bert-adam-max-grad-norm 1.0``) and schedules its own
 learning rate (``--bert-adam-warmup``, ``--bert-adam-t-total``), and fairseq does neither
 (``--clip-norm 0``, ``--lr-scheduler fixed``); for every other row fairseq clips gradients globally

@@ -2,7 +2,7 @@
 
 The optimizer of each row is built by the recipe and handed to Trainer with
 ``Trainer(optimizers=(optimizer, None))``; Trainer builds the scheduler from ``TrainingArguments``.
-For the rows of BertAdam with its defaults (``row.bertadam_defaults``: the seed's rows) BertAdam
+For the rows of BertAdam with its defaults (``row.bertadam_defaults``: Bagua's rows) BertAdam
 clips each parameter's gradient and schedules its own learning rate (``warmup``/``t_total``), so
 Trainer gets ``max_grad_norm=0`` (no clipping) and ``lr_scheduler_type="constant"`` with no warmup;
 for every other row Trainer clips globally (``max_grad_norm``) and schedules (linear warmup/decay).
@@ -195,7 +195,7 @@ def build_optimizer(
     ``hf_plugin.create_fused_optimizer(model, args, cls, compile=..., **kwargs)``, which builds the same
     groups and fuses with ``replace_step=True``.
 
-    BertAdam rows with ``row.bertadam_defaults`` (the seed's): ``BertAdam(groups, lr, warmup=warmup_ratio,
+    BertAdam rows with ``row.bertadam_defaults`` (Bagua's): ``BertAdam(groups, lr, warmup=warmup_ratio,
     t_total=total_steps)`` -- every other argument at BertAdam's default, so ``max_grad_norm=1.0`` clips each
     parameter's gradient and ``warmup_linear`` schedules the learning rate; ``training_args`` turns Trainer's
     clipping and scheduling off for these rows. Other BertAdam rows: ``max_grad_norm=-1``, ``t_total=-1``

@@ -7,7 +7,7 @@ shallow encoder, with short sentences and small batches. Forward/backward work s
 tokens x encoder width; the optimizer step scales with the parameter count, which the wide
 embedding keeps large.
 
-``bert-base`` is BERT-base itself (BertConfig() defaults, 110 M parameters) at the seed's
+``bert-base`` is BERT-base itself (BertConfig() defaults, 110 M parameters) at Bagua's
 fine-tuning settings (sequence length 128, batch 32 per device), on a generated set of SST-2's
 size (67,349 train / 872 validation sentences): it is meant for GPUs.
 

@@ -1,4 +1,4 @@
-"""The outputs: a markdown table in the seed's shape, a JSON file and a PNG bar chart."""
+"""The outputs: a markdown table in Bagua's shape, a JSON file and a PNG bar chart."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .rows import BASELINE, ROWS
 __all__ = ["SEED_REFERENCE", "add_speedups", "markdown_table", "write_json", "write_png", "FRONTEND_NAMES",
            "ran_eager_reason"]
 
-# The seed's table (BERT-base, 8 x V100): epoch time and accuracy without / with the fused optimizer.
+# Bagua's published table (BERT-base, 8 x V100): epoch time and accuracy without / with the fused optimizer.
 SEED_REFERENCE = {
     "setting": "BERT-base, 8 x V100, Bagua's published fused-optimizer benchmark",
     "without_fused_s": 3252.0,
@@ -27,8 +27,8 @@ FRONTEND_NAMES = {"hf": "HF Trainer", "fairseq": "fairseq"}
 def add_speedups(results: Sequence[RowResult]) -> None:
     """``extra['speedup']`` (baseline epoch time / row epoch time) within each front end.
 
-    A row's baseline is ``ROWS[row].baseline``: the seed's per-tensor BertAdam (``bertadam``) for the
-    seed-default BertAdam rows and the AdamW rows, the per-tensor ``bertadam-globalclip`` for the other
+    A row's baseline is ``ROWS[row].baseline``: Bagua's per-tensor BertAdam (``bertadam``) for the
+    Bagua-default BertAdam rows and the AdamW rows, the per-tensor ``bertadam-globalclip`` for the other
     BertAdam rows -- each when it ran in the same front end, else ``bertadam``, else the first row measured.
     """
     by_frontend: Dict[str, List[RowResult]] = {}
@@ -83,7 +83,7 @@ COLUMNS = ("front end", "optimizer", "clipping; schedule", "fused step (ran)", "
 
 
 def markdown_table(results: Sequence[RowResult], title: str, hardware: Dict, notes: Sequence[str] = ()) -> str:
-    """The table (one line per row), its setting, and the seed's numbers for comparison."""
+    """The table (one line per row), its setting, and Bagua's numbers for comparison."""
     lines = [f"## {title}", "", f"Hardware: {describe_hardware(hardware)}", ""]
     lines += [
         "| " + " | ".join(COLUMNS) + " |",

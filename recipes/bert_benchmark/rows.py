@@ -3,8 +3,8 @@
 Every row runs the same model, data and seed; two things differ between row families:
 
 * **BertAdam with its defaults** (``bertadam``, ``bertadam-fused-eager``, ``bertadam-fused-compiled``;
-  the default table, as the seed ran it): ``BertAdam(groups, lr=lr, warmup=warmup_ratio,
-  t_total=updates)`` -- the construction of the original BERT fine-tuning scripts that the seed's
+  the default table, as Bagua's benchmark ran it): ``BertAdam(groups, lr=lr, warmup=warmup_ratio,
+  t_total=updates)`` -- the construction of the original BERT fine-tuning scripts that Bagua's
   ``BertAdam(parameters, ...)`` comes from. Its own defaults stay on: ``max_grad_norm=1.0`` clips
   **each parameter's** gradient to norm 1.0, and ``schedule="warmup_linear"`` warms the learning rate
   up over ``warmup`` of ``t_total`` updates, then decays it linearly, counted by BertAdam's own
@@ -21,7 +21,7 @@ Every row runs the same model, data and seed; two things differ between row fami
   warmup over ``warmup_ratio`` of the updates, then linear decay), as HF Trainer and fairseq do by
   default. BertAdam then runs with ``max_grad_norm=-1`` and ``t_total=-1`` (elementwise, constant
   ``lr`` set by the front end), so its fused step is elementwise and can compile to one kernel per
-  flat buffer. These were the recipe's BertAdam rows before the seed-default rows replaced them.
+  flat buffer. These were the recipe's BertAdam rows before the Bagua-default rows replaced them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Row:
     fuse: Optional[str] = None  # None (not fused), "eager" or "compiled": bagua_integrations.fuse_optimizer
     impl: Optional[str] = None  # torch AdamW: "foreach", "fused" or "single"
     # BertAdam keeps its defaults (per-parameter clipping to 1.0, its own warmup/t_total schedule) and the
-    # front end neither clips nor schedules (the seed's rows); False: the front end clips globally and schedules.
+    # front end neither clips nor schedules (Bagua's rows); False: the front end clips globally and schedules.
     bertadam_defaults: bool = False
 
     def __post_init__(self):
@@ -90,7 +90,7 @@ GLOBALCLIP_BASELINE = "bertadam-globalclip"
 ROWS: Dict[str, Row] = {
     row.key: row
     for row in (
-        # the seed's experiment: BertAdam with its defaults, without / with the fused optimizer
+        # Bagua's experiment: BertAdam with its defaults, without / with the fused optimizer
         Row("bertadam", "BertAdam per-tensor (Bagua's baseline, unfused)", "bertadam", bertadam_defaults=True),
         Row("bertadam-fused-eager", "BertAdam fused, eager", "bertadam", fuse="eager", bertadam_defaults=True),
         Row("bertadam-fused-compiled", "BertAdam fused, compile=True", "bertadam", fuse="compiled",

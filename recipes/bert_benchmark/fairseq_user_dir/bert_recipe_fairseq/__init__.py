@@ -2,7 +2,7 @@
 
 It registers, on top of ``fairseq_plugin`` (``--optimizer bagua_fused``, imported here):
 
-* ``--optimizer bert_adam``: the seed's per-tensor BertAdam (``bagua_integrations.optim.BertAdam``,
+* ``--optimizer bert_adam``: Bagua's per-tensor BertAdam (``bagua_integrations.optim.BertAdam``,
   no bias correction), with BertAdam's own options and defaults: ``--bert-adam-max-grad-norm``
   (1.0: each parameter's gradient clipped to norm 1.0; ``<= 0``: off), ``--bert-adam-warmup``,
   ``--bert-adam-t-total`` and ``--bert-adam-schedule`` (its built-in schedule; ``-1``: off, so the
@@ -87,7 +87,7 @@ class BertAdamConfig(FairseqDataclass):
 
 @register_optimizer("bert_adam", dataclass=BertAdamConfig)
 class FairseqBertAdam(FairseqOptimizer):
-    """The seed's BertAdam, one tensor at a time, with BertAdam's own clipping and schedule options."""
+    """Bagua's BertAdam, one tensor at a time, with BertAdam's own clipping and schedule options."""
 
     def __init__(self, cfg, params):
         super().__init__(cfg)
