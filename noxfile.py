@@ -35,6 +35,7 @@ CORE_TESTS = [
     "tests/test_flat_memory.py",
     "tests/test_fuse_order.py",
     "tests/test_fused_state_dict.py",
+    "tests/test_fsdp2_fused.py",
     "tests/test_torch_compat.py",
     "tests/test_bert_adam_reference.py",
     "tests/test_torch_versions.py",

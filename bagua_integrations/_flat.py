@@ -12,10 +12,13 @@ Used by fusion (the fused optimizer owns its parameters' memory) and by communic
 * **proxy** -- an ``nn.Parameter`` over the slots ``[first, last)`` of a buffer (param and
   grad are views of the flat tensors): what the optimizer's own ``step`` is handed instead of
   the real parameters. The planner (``_planner.py``) decides which ranges (*runs*) to hand over.
+* **shard** (:class:`ShardOf`) -- a parameter that is one rank's part of a larger one (FSDP2):
+  its slot keeps room for FSDP2's padded shard, which is a view of the same memory.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -34,6 +37,33 @@ def align_elements(element_size: int) -> int:
 def _aligned(offset: int, element_size: int) -> int:
     per = align_elements(element_size)
     return (offset + per - 1) // per * per
+
+
+@dataclass(frozen=True)
+class ShardOf:
+    """What a flat buffer knows of a parameter that is one rank's shard of a larger parameter.
+
+    ``room``: elements its slot keeps (FSDP2 pads every rank's shard to one size, and all-gathers
+    the padded shard straight from the slot), so slots start at the same offsets on every rank
+    and an empty shard still has a slot. ``numel``: the whole parameter's elements (a mean over
+    the parameter divides by it). Attached to a shard's stand-in as :data:`SHARD_ATTR`.
+    """
+
+    room: int
+    numel: int
+
+
+SHARD_ATTR = "_bagua_shard_of"
+
+
+def shard_of(param: torch.Tensor) -> Optional[ShardOf]:
+    return getattr(param, SHARD_ATTR, None)
+
+
+def slot_room(param: torch.Tensor) -> int:
+    """Elements a parameter's slot keeps: its own, or its padded shard's."""
+    shard = shard_of(param)
+    return param.numel() if shard is None else max(shard.room, param.numel())
 
 
 class Slot:
@@ -64,7 +94,7 @@ class FlatBuffer:
             for p in params:
                 offset = _aligned(offset, self.element_size)
                 slots.append(Slot(p, offset))
-                offset += p.numel()
+                offset += slot_room(p)
         else:
             offset = self._adopt_offsets(params, slots)
         self.slots = slots

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ._flat import FlatBuffer, Slot
+from ._flat import FlatBuffer, Slot, slot_room
 from ._verify import verify_every
 from ._paths import settings_signature, SEGMENTED, PathChooser
 from ._segmented import MAX_RANK
@@ -41,6 +41,9 @@ class FusionConfig:
     assume_elementwise: bool = False
     compile: Any = "auto"
     verify: Optional[int] = None  # check every N-th fused step against the unfused one (_verify.py)
+    # the parameters are each rank's shards of larger ones (FSDP2, _sharded.py): a reduction over
+    # a whole parameter combines every rank's partial values over this process group
+    shard_group: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "verify", verify_every(self.verify))  # frozen: set once, here
@@ -156,7 +159,7 @@ class FlatLayout:
         self.on_refresh: Optional[Callable[["FlatLayout"], None]] = None
         self._warned = set()
         # each group's path is decided before it is laid out (one place: _paths.py)
-        self.paths = PathChooser(optimizer, config.assume_elementwise)
+        self.paths = PathChooser(optimizer, config.assume_elementwise, sharded=config.shard_group is not None)
         # the optimizer's step cannot be given other tensors: every group keeps its own step
         self.wrapper_reason = self.paths.wrapper_reason
         try:
@@ -222,7 +225,7 @@ class FlatLayout:
         return f"{name} {tuple(p.shape)}"
 
     def _unfusable_reason(self, p: torch.Tensor, tied: set) -> Optional[str]:
-        if p.numel() == 0:
+        if p.numel() == 0 and slot_room(p) == 0:  # (an empty shard keeps its slot: all ranks lay out alike)
             return "it has no elements"
         if p.layout != torch.strided:
             return "it is not a dense tensor"

@@ -87,9 +87,12 @@ def settings_signature(group: Dict[str, Any]) -> Tuple:
 class PathChooser:
     """Decides each group's :class:`GroupPath`; cached per group settings and device."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, assume_elementwise: bool = False):
+    def __init__(self, optimizer: torch.optim.Optimizer, assume_elementwise: bool = False, sharded: bool = False):
         self.optimizer = optimizer
         self.assume_elementwise = assume_elementwise
+        # parameters are shards (FSDP2): a reduction must be one whose partial values combine
+        # across ranks, and a reduction over a whole flat run would see this rank's shards only
+        self.sharded = sharded
         self.wrapper_reason = wrapper_reason(optimizer)
         self._cache: Dict[Tuple[str, torch.device], GroupPath] = {}
 
@@ -125,10 +128,13 @@ class PathChooser:
     def _probe(self, group, device, template=None) -> GroupPath:
         mixing = Counter()
         not_elementwise = probe_elementwise(self.optimizer, group, device, mixing, template)
-        if not_elementwise is None:
+        if not_elementwise is None and self.sharded and mixing:
+            not_elementwise = (f"its step reduces over all of the group's parameters ({', '.join(sorted(mixing))}), "
+                               "which on shards would see only this rank's")
+        elif not_elementwise is None:
             return GroupPath(ELEMENTWISE, "its step is elementwise (checked against per-tensor steps on synthetic tensors)",
                              tuple(sorted(mixing.items())))
-        not_segmented = probe_segmented(self.optimizer, group, device, template)
+        not_segmented = probe_segmented(self.optimizer, group, device, template, known_reductions_only=self.sharded)
         if not_segmented is None:
             return GroupPath(SEGMENTED, f"not elementwise ({not_elementwise}); elementwise apart from reductions "
                                         "over whole parameters, which are computed per parameter")

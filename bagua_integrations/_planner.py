@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ._flat import FlatBuffer, Slot
+from ._flat import FlatBuffer, Slot, shard_of
 from ._layout import FlatLayout
 from ._segmented import Segmentation, run_shape, state_kind
 from ._torch_compat import tensor_versions
@@ -225,6 +225,14 @@ class StepPlanner:
         # the versions of the step counts, which is all a usual step changes.
         self._state_written = True
 
+    def first_steps_taken(self, params) -> None:
+        """``params`` took their first step elsewhere (over FSDP2 shards: as DTensors); a stateless
+        segmented optimizer's slots are then ready for runs (see ``_segmented_signature``)."""
+        ids = {id(p) for p in params}
+        for group in self.layout.groups.values():
+            self._first_stepped.update(id(slot) for slot in group.slots() if id(slot.param) in ids)
+        self.tokens_stale = True
+
     def invalidate(self) -> None:
         """Something other than a fused step may have changed scalar state: recompute tokens."""
         self.tokens_stale = True
@@ -374,7 +382,9 @@ class StepPlanner:
         pieces = [(slot.start - start, slot.end - start, slot.param.shape) for slot in slots]
         seg = self._segmentations.get((shape, tuple(pieces)))
         if seg is None:
-            seg = self._segmentations[(shape, tuple(pieces))] = Segmentation(shape, pieces)
+            group = self.layout.config.shard_group
+            numels = [shard_of(slot.param).numel for slot in slots] if group is not None else None
+            seg = self._segmentations[(shape, tuple(pieces))] = Segmentation(shape, pieces, group, numels)
         run = Run(buffer, first, last, proxy, segmentation=seg)
         for key, value in state.get(slots[0].param, {}).items():
             kind = state_kind(value, slots[0].param.shape)  # the signature made it equal across the run

@@ -70,10 +70,10 @@ def _keeps_rng(probe):
     after fusing as without it, and so must the model's dropout."""
 
     @functools.wraps(probe)
-    def wrapped(optimizer, group, device, *args):
+    def wrapped(optimizer, group, device, *args, **kwargs):
         cuda = [device.index or 0] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
-            return probe(optimizer, group, device, *args)
+            return probe(optimizer, group, device, *args, **kwargs)
 
     return wrapped
 
@@ -365,9 +365,12 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat) -> Optional[str]:
 @_keeps_rng
 def probe_segmented(
     optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device,
-    template: Optional[torch.Tensor] = None,
+    template: Optional[torch.Tensor] = None, known_reductions_only: bool = False,
 ) -> Optional[str]:
     """Return ``None`` if ``optimizer``'s step is exact on segmented runs (``_segmented.py``), else why not.
+
+    ``known_reductions_only``: every reduction must be one the mode combines from partial values
+    (as over FSDP2 shards; ``SegmentedMode``).
 
     The same synthetic tensors as :func:`probe_elementwise`, grouped into one run per rank with
     padding between parameters, as the fused step lays them out. The first step runs per
@@ -425,7 +428,7 @@ def probe_segmented(
                     for (start, end, _), i in zip(seg.pieces, indices):
                         flat_grad[start:end] = step_grads[i].reshape(-1)
                     proxy.grad = flat_grad.view(seg.shape)
-                with SegmentedMode([seg for _, seg, _ in runs]):
+                with SegmentedMode([seg for _, seg, _ in runs], known_reductions_only=known_reductions_only):
                     closure.step(step, opt_b, n)
         except Exception as exc:  # NotSegmentable, or anything else: the probe reports
             return f"its step raised {type(exc).__name__} on segmented synthetic tensors ({exc})"

@@ -103,6 +103,10 @@ class Segmentation:
     shape: Tuple[int, ...]
     pieces: List[Tuple[int, int, torch.Size]]
     key: str = field(init=False)
+    # The segments are this rank's shards of larger parameters (FSDP2): a reduction combines
+    # every rank's partial values over this process group, and a mean divides by ``numels``.
+    shard_group: Any = None
+    shard_numels: Optional[List[int]] = None
 
     def __post_init__(self):
         self.key = f"segmentation{next(_KEYS)}"
@@ -147,6 +151,9 @@ class Segmentation:
         ranges = []
         for i, (start, end, _) in enumerate(self.pieces):
             first, last = start // block, math.ceil(end / block)
+            if last <= first:  # an empty shard: no block, the neutral value (segment_combine)
+                ranges.append((first, first))
+                continue
             ids[first:last] = i
             valid[first:last] = block
             valid[last - 1] = end - (last - 1) * block
@@ -154,7 +161,8 @@ class Segmentation:
         padded = bool((valid < block).any())
         self.block, self.block_ids, self.block_ranges = block, ids.to(device), ranges
         self.block_valid = valid.to(device) if padded else None  # elements of each block inside a segment
-        self.numels = torch.tensor([end - start for start, end, _ in self.pieces], dtype=torch.float32, device=device)
+        numels = self.shard_numels or [end - start for start, end, _ in self.pieces]
+        self.numels = torch.tensor(numels, dtype=torch.float32, device=device)
 
     def expand_indexed(self, scalars: torch.Tensor) -> torch.Tensor:
         """:meth:`expand` as a gather a compiler fuses into the kernel that uses it (no
@@ -219,12 +227,28 @@ _REDUCTION_NAMES = {torch.sum: "sum", torch.Tensor.sum: "sum", torch.mean: "mean
 _INF = float("inf")
 
 
+_NEUTRAL = {"sum": 0.0, "amax": -float("inf"), "amin": float("inf")}
+
+
 @torch.library.custom_op("bagua_integrations::segment_combine", mutates_args=())
 def segment_combine(partials: torch.Tensor, key: str, how: str) -> torch.Tensor:
-    """``how`` ("sum", "amax" or "amin") over each segment's block partials: one value per segment."""
+    """``how`` ("sum", "amax" or "amin") over each segment's block partials: one value per segment.
+
+    Over shards (``Segmentation.shard_group``) the values are then combined across ranks: one
+    all-reduce for all segments of the run (a collective inside an operator the compiler does
+    not look into, so a compiled step makes the same calls in the same order as an eager one)."""
     seg = _BY_KEY[key]
     reduce = getattr(torch, how)
-    return torch.stack([reduce(partials[first:last]) for first, last in seg.block_ranges])
+    values = torch.stack([reduce(partials[first:last]) if last > first else partials.new_full((), _NEUTRAL[how])
+                          for first, last in seg.block_ranges])
+    if seg.shard_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(values, op=getattr(dist.ReduceOp, _REDUCE_OPS[how]), group=seg.shard_group)
+    return values
+
+
+_REDUCE_OPS = {"sum": "SUM", "amax": "MAX", "amin": "MIN"}
 
 
 @segment_combine.register_fake
@@ -335,8 +359,12 @@ def _name(func) -> str:
 class SegmentedMode(TorchFunctionMode):
     """Run an optimizer's ``step`` on segmented runs, computing every whole-parameter reduction per parameter."""
 
-    def __init__(self, segmentations: Iterable[Segmentation]):
+    def __init__(self, segmentations: Iterable[Segmentation], known_reductions_only: bool = False):
+        """``known_reductions_only``: compute every reduction from block partials, as a compiled
+        step does, and refuse any other (implied for shards: only those partials combine across ranks)."""
         super().__init__()
+        segmentations = list(segmentations)
+        self.known_reductions_only = known_reductions_only or any(s.shard_group is not None for s in segmentations)
         self.by_shape: Dict[Tuple[int, ...], Segmentation] = {}
         self.by_scalar_shape: Dict[Tuple[int, ...], Segmentation] = {}
         self.by_stack_shape: Dict[Tuple[int, ...], _Stacked] = {}
@@ -424,7 +452,7 @@ class SegmentedMode(TorchFunctionMode):
 
     def _per_segment(self, func, seg: Segmentation, args, kwargs) -> torch.Tensor:
         """The reduction ``func`` on each segment's own view: the per-parameter values, stacked."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.known_reductions_only:
             return self._per_segment_compiled(func, seg, args, kwargs)
         views: Dict[int, List[torch.Tensor]] = {}
         scalars: Dict[int, torch.Tensor] = {}
@@ -459,13 +487,17 @@ class SegmentedMode(TorchFunctionMode):
         spec = _reduction_spec(func, args, kwargs)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if spec is None or not tensors:
-            raise NotSegmentable(f"{_name(func)} is not a reduction a compiled segmented step knows")
+            raise NotSegmentable(f"{_name(func)} is not a reduction built from partial values (a norm, sum, mean, "
+                                 "max, min or dot over a whole parameter), as compiled steps and shards need")
         name, ord = spec
         if not all(t.is_floating_point() for t in tensors):  # bool/int sums promote to int64: eager knows how
-            raise NotSegmentable(f"{_name(func)} of a {tensors[0].dtype} tensor is left to the eager segmented step")
+            raise NotSegmentable(f"{_name(func)} of a {tensors[0].dtype} tensor is left to the eager segmented step "
+                                 "(and is not combined across shards)")
         shapes = {tuple(t.shape) for t in tensors}
         other = tensors[1] if len(tensors) > 1 else None
         if shapes == {seg.shape}:
+            if not torch.compiler.is_compiling():
+                seg.index_blocks(tensors[0].device)  # (eager: built once, kept)
             return _compiled_reduction(name, ord, tensors[0], other, seg)
         if shapes == {seg.scalar_shape}:
             return _reduce_scalars(name, tensors[0], other, ord, seg)

@@ -422,3 +422,69 @@ def exception_chain(exc: BaseException):
         seen.add(id(exc))
         yield exc
         exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+
+
+# ----------------------------------------------------------------------------- FSDP2 shards
+# A fused optimizer over FSDP2's sharded parameters (_sharded.py) keeps each rank's shards in its
+# flat buffers and points FSDP2 at them. FSDP2 keeps, per parameter, an ``FSDPParam`` whose
+# ``_sharded_param_data`` (the padded shard, 1-D) is what it all-gathers, and whose
+# ``sharded_param`` is the DTensor parameter, a view of the unpadded part (``_local_tensor``).
+# FSDP2's own ``reset_sharded_param`` (after ``load_state_dict(assign=True)``) re-points them the
+# same way; nothing public does it for another storage. Checked on 2.6 to 2.14.
+
+
+def _fsdp_param_class():
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:  # torch < 2.6
+        try:
+            from torch.distributed._composable.fsdp._fsdp_param import FSDPParam
+        except ImportError:
+            return None
+    return FSDPParam
+
+
+def fsdp2_params(params) -> dict:
+    """``{id(parameter): FSDPParam}`` for those of ``params`` that FSDP2 shards. FSDP2 keeps no
+    reference from a parameter to its ``FSDPParam``: found by one scan of the live objects
+    (as ``_state_dict.owning_modules`` finds a parameter's modules), at fuse time only."""
+    import gc
+
+    cls = _fsdp_param_class()
+    if cls is None:
+        return {}
+    wanted = {id(p) for p in params}
+    found = {}
+    for obj in gc.get_objects():
+        if type(obj) is cls:  # (type, not isinstance: some live objects warn when asked their class)
+            param = obj.__dict__.get("sharded_param")
+            if id(param) in wanted:
+                found[id(param)] = obj
+    return found
+
+
+def fsdp2_padded_numel(fsdp_param) -> int:
+    """Elements of the rank's padded shard (equal on every rank)."""
+    return fsdp_param._sharded_param_data.numel()
+
+
+def fsdp2_offloads(fsdp_param) -> bool:
+    return bool(getattr(fsdp_param, "offload_to_cpu", False))
+
+
+def local_shard(tensor) -> torch.Tensor:
+    """A DTensor's local tensor itself (not a differentiable view of it: ``to_local()`` makes one
+    under grad mode)."""
+    return tensor._local_tensor
+
+
+def fsdp2_point_shard_at(fsdp_param, padded: torch.Tensor, local: torch.Tensor) -> None:
+    """Make FSDP2 all-gather ``padded`` (1-D, the padded shard) and its parameter's local tensor
+    ``local`` (a view of ``padded``'s first elements)."""
+    fsdp_param._sharded_param_data = padded
+    fsdp_param.sharded_param._local_tensor = local
+
+
+def fsdp2_shard_points_at(fsdp_param, padded: torch.Tensor) -> bool:
+    data = fsdp_param._sharded_param_data
+    return data.data_ptr() == padded.data_ptr() and fsdp_param.sharded_param._local_tensor.data_ptr() == padded.data_ptr()

@@ -41,8 +41,9 @@ class LayoutChangedError(FusionError):
 
 
 class ShardedParameterError(FusionError, TypeError):
-    """A parameter is a ``DTensor`` (sharded by FSDP2's ``fully_shard`` or tensor parallelism),
-    which flat buffers cannot hold yet."""
+    """DTensor parameters that a fused optimizer cannot hold: not sharded by FSDP2 (tensor
+    parallelism), mixed with plain parameters in one optimizer, offloaded to the CPU by FSDP2, or
+    param groups added after fusing. FSDP2's shards themselves fuse (``fuse_optimizer`` docs)."""
 
 
 class SharedParameterError(FusionError, ValueError):

@@ -26,7 +26,7 @@ import torch
 from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason
 from ._late_reductions import RAISED, DryRun, LateReduction
 from ._per_tensor import Bookkeeping, PerTensorSteps
-from ._layout import FlatLayout, FusionConfig
+from ._layout import DTensor, FlatLayout, FusionConfig
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
 from ._planner import Run, StepPlan, StepPlanner
 from ._probe import _PROBE_STEPS, probe_per_tensor_calls
@@ -57,6 +57,15 @@ __all__ = [
 _ATTR = "_bagua_fusion"
 # Longest run (in elements) an eager fused step hands to the optimizer; None: whole buffers.
 EAGER_RUN_ELEMENTS = 1 << 20
+
+
+class NeedsWholeParameters(Exception):
+    """A fused step over shards cannot step these parameters in flat runs (before their first step,
+    or with state not shaped like them); their optimizer steps the whole parameters (``_sharded.py``)."""
+
+    def __init__(self, params):
+        super().__init__(f"{len(params)} shard(s) cannot be stepped in flat runs this step")
+        self.params = params
 
 
 class LastStep(enum.Enum):
@@ -219,6 +228,10 @@ class Fusion:
         if self.layout.wrapper_reason is None:
             self.state_dict_hooks.install(optimizer, self.layout)
             self.layout.on_refresh = self.state_dict_hooks.cover
+        # The gradient hooks live on the parameters, which outlive the optimizer (a second
+        # fine-tuning stage builds a new one): release them with it.
+        weakref.finalize(optimizer, self.layout.hooks.remove_all)
+        weakref.finalize(optimizer, self.state_dict_hooks.remove)
 
     def _compiled_step(self) -> Optional[CompiledStep]:
         if self.config.compile is False or not CompiledStep.eligible(self.optimizer):
@@ -281,7 +294,8 @@ class Fusion:
         # Eager steps stream every op over the whole run; cache-sized runs keep that in cache.
         # A compiled step reads each element once, so its runs span whole buffers.
         compiled = self.compiled_step is not None and self.compiled_step.disabled_reason is None
-        return float("inf") if compiled or EAGER_RUN_ELEMENTS is None else EAGER_RUN_ELEMENTS
+        # over shards every rank must make the same runs (each reduction is a collective)
+        return float("inf") if compiled or self.config.shard_group is not None or EAGER_RUN_ELEMENTS is None else EAGER_RUN_ELEMENTS
 
     def step(self, closure=None):
         """One fused step: plan, run the optimizer's own step on the plan, write state back."""
@@ -444,6 +458,9 @@ class Fusion:
 
     def _fused_step_once(self, optimizer) -> None:
         plan = self.planner.plan(self._run_cap())  # (refreshes the layout: settings changed since are seen)
+        if self.config.shard_group is not None and any(p.grad is not None for p in plan.per_tensor):
+            # a shard stepped on its own would reduce over this rank's part only: nothing has run yet
+            raise NeedsWholeParameters([p for p in plan.per_tensor if p.grad is not None])
         swapped = plan.swapped_state(optimizer.state)
         compiled = []
         bookkeeping = []  # one fused step may call the optimizer's step several times (see below)
@@ -627,6 +644,10 @@ def fuse_optimizer(
 ) -> torch.optim.Optimizer:
     """Fuse ``optimizer`` in place and return it (still an instance of its own class).
 
+    Over FSDP2's sharded parameters (DTensors, after ``fully_shard``) each rank fuses the shards it
+    holds; reductions over a whole parameter combine every rank's partial values (one all-reduce per
+    reduction for all parameters), and the first step is the optimizer's own DTensor step.
+
     Args:
         do_flatten: move parameters into new flat buffers. With ``False`` parameters stay where
             they are and only groups already contiguous in memory are fused.
@@ -682,18 +703,22 @@ def fuse_optimizer(
             f"{type(optimizer).__name__} has no parameters to fuse; pass the model's parameters "
             "when building it (or add_param_group before fusing)"
         )
-    fusion = Fusion(optimizer, config)
-    setattr(optimizer, _ATTR, fusion)
-    # The gradient hooks live on the parameters, which outlive the optimizer (a second
-    # fine-tuning stage builds a new one): release them with it.
-    weakref.finalize(optimizer, fusion.layout.hooks.remove_all)
-    weakref.finalize(optimizer, fusion.state_dict_hooks.remove)
+    if any(is_sharded(p) for group in optimizer.param_groups for p in group["params"]):
+        from ._sharded import ShardedFusion  # (it builds on this module)
+
+        fusion = ShardedFusion(optimizer, config)
+        setattr(optimizer, _ATTR, fusion)
+        weakref.finalize(optimizer, fusion.remove)
+    else:
+        setattr(optimizer, _ATTR, Fusion(optimizer, config))  # (warnings count the frames up to the user's)
     optimizer.fuse_step = types.MethodType(_fused_step, optimizer)
     if replace_step:
         fused_step = types.MethodType(_fused_step, optimizer)
         # an LR scheduler built before fusing wrapped step(); keep its marker
         optimizer.step = step_keeping_lr_scheduler_marker(optimizer, fused_step)
     return optimizer
+
+
 
 
 @dataclass(frozen=True)
@@ -724,6 +749,11 @@ def flat_grad_segments(optimizer) -> List[FlatSegment]:
     ]
 
 
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor (FSDP2's ``fully_shard``, tensor parallelism): this rank holds part of it."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
 def unfuse(optimizer) -> torch.optim.Optimizer:
     """Undo :func:`fuse_optimizer`'s hooks: ``optimizer`` steps like an ordinary one again.
 
@@ -732,7 +762,8 @@ def unfuse(optimizer) -> torch.optim.Optimizer:
     Parameters, gradients and state keep their values (they stay views of the flat memory,
     which is freed once nothing refers to it). Returns ``optimizer``.
     """
-    fusion = _fusion(optimizer)
+    _fusion(optimizer)  # (checks it is fused)
+    fusion = getattr(optimizer, _ATTR)
     fusion.remove()
     for name in ("fuse_step", "step"):
         optimizer.__dict__.pop(name, None)
@@ -744,13 +775,16 @@ def unfuse(optimizer) -> torch.optim.Optimizer:
 
 def is_fused_optimizer(optimizer: Any) -> bool:
     """True when ``optimizer`` went through :func:`fuse_optimizer`."""
-    return isinstance(getattr(optimizer, _ATTR, None), Fusion)
+    fusion = getattr(optimizer, _ATTR, None)
+    return isinstance(fusion, Fusion) or hasattr(fusion, "shard_fusion")
 
 
 def _fusion(optimizer) -> Fusion:
+    """The :class:`Fusion` that lays out ``optimizer``'s tensors (over FSDP2 shards: its shards')."""
     if not is_fused_optimizer(optimizer):
         raise FusionError("this optimizer is not fused; call fuse_optimizer(optimizer) first")
-    return getattr(optimizer, _ATTR)
+    fusion = getattr(optimizer, _ATTR)
+    return getattr(fusion, "shard_fusion", fusion)
 
 
 def fused_layout(optimizer) -> FlatLayout:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from _dist_utils import free_port
 
@@ -31,8 +32,8 @@ def _run(script, *args, nproc=1, timeout=300):
 
 
 def test_every_example_is_tested_here():
-    tested = {"fused_optimizer.py", "distributed_torchrun.py", "hf_trainer.py", "accelerate_example.py",
-              "fairseq_language_model.sh"}
+    tested = {"fused_optimizer.py", "distributed_torchrun.py", "fsdp2_fused.py", "hf_trainer.py",
+              "accelerate_example.py", "fairseq_language_model.sh"}
     assert {p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".sh")} == tested
 
 
@@ -47,6 +48,15 @@ def test_distributed_example_under_torchrun(algorithm):
     assert f"{algorithm} on 2 ranks" in out
     if algorithm == "gradient_allreduce":
         assert "between ranks 0.0e+00" in out
+
+
+@pytest.mark.skipif(torch.__version__ < "2.6", reason="FSDP2 on CPU needs torch >= 2.6")
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_fsdp2_example_under_torchrun(optimizer):
+    out = _run("fsdp2_fused.py", optimizer, nproc=2)
+    assert "last step: fused" in out and "param groups: " + ("segmented" if optimizer == "lamb" else "elementwise") in out
+    difference = float(out.rsplit("largest difference to unfused ", 1)[1].split()[0])
+    assert difference < 1e-5, out
 
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None

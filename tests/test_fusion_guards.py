@@ -235,35 +235,39 @@ def test_the_environment_variable_turns_verification_on(monkeypatch):
 
 
 # =========================================================================== named errors
-def _fuse_fsdp2_shards(rank, world):
+def _fuse_unsupported_dtensors(rank, world):
+    """DTensors that fuse_optimizer does not fuse: replicated ones (tensor parallelism's layouts), and
+    an optimizer mixing FSDP2 shards with plain parameters. (FSDP2's shards fuse: test_fsdp2_fused.py.)"""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6 keeps it private
         from torch.distributed._composable.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     from bagua_integrations import ShardedParameterError
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    try:
-        fuse_optimizer(opt)
-    except ShardedParameterError as error:
-        if torch.__version__ >= "2.6":  # (FSDP2's forward needs CUDA streams on torch 2.5)
-            model(torch.randn(4, 8)).sum().backward()  # the optimizer is untouched and trains unfused
-            opt.step()
-        return str(error)
-    return None
+    mesh = init_device_mesh("cpu", (world,))
+    messages = []
+    replicated = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
+    sharded = torch.nn.Linear(8, 6)
+    fully_shard(sharded, mesh=mesh)
+    for params in ([replicated], list(sharded.parameters()) + [torch.nn.Parameter(torch.randn(3))]):
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        try:
+            fuse_optimizer(opt)
+            messages.append(None)
+        except ShardedParameterError as error:
+            messages.append(str(error))
+    return messages
 
 
-def test_fsdp2_sharded_parameters_get_a_named_error():
+def test_dtensors_that_cannot_be_fused_get_a_named_error():
     from _dist_utils import run_ranks, values
 
-    messages = values(run_ranks(_fuse_fsdp2_shards, 2, timeout=120))
-    for message in messages:
-        assert message is not None and "DTensor" in message and "fully_shard" in message, message
+    for replicated, mixed in values(run_ranks(_fuse_unsupported_dtensors, 2, timeout=120)):
+        assert replicated is not None and "placements" in replicated, replicated
+        assert mixed is not None and "plain" in mixed and "fully_shard" in mixed, mixed
 
 
 class RunningSumInGroup(torch.optim.Optimizer):

@@ -69,3 +69,13 @@ def test_an_edited_snippet_is_not_an_excerpt():
     assert _is_excerpt("a = 1\n\nc = 3", source)
     assert not _is_excerpt("c = 3\na = 1", source)  # reordered
     assert not _is_excerpt("a = 1\nb = 20", source)  # changed
+
+
+def test_docs_blocks_marked_as_excerpts_are_in_their_examples():
+    found = 0
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for path, block in EXCERPT.findall(page.read_text()):
+            found += 1
+            assert path.startswith("examples/") and (ROOT / path).is_file(), (page.name, path)
+            assert _is_excerpt(block, (ROOT / path).read_text()), f"{page.name}'s block from {path} is not in that file"
+    assert found, "no docs block is marked as an excerpt"

@@ -579,3 +579,33 @@ def test_exception_chain_reaches_what_a_backend_raised(private_api):
 
 
 TESTED.update({"aten_operator_packet", "size_hint", "exception_chain"})
+
+
+def _fsdp2_shard_pointers(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    layer = torch.nn.Linear(4, 3)  # 3 rows over 2 ranks: uneven, rank 1's shard is padded
+    fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
+    params = list(layer.parameters())
+    found = compat.fsdp2_params(params)
+    assert set(found) == {id(p) for p in params}, changed("fsdp2_params", "FSDPParam not found by its sharded_param")
+    fsdp_param, weight = found[id(params[0])], params[0]
+    padded = torch.zeros(compat.fsdp2_padded_numel(fsdp_param))
+    assert padded.numel() == 2 * 4, changed("fsdp2_padded_numel", str(padded.numel()))
+    local = padded[: compat.local_shard(weight).numel()].view(compat.local_shard(weight).shape)
+    compat.fsdp2_point_shard_at(fsdp_param, padded, local)
+    assert compat.fsdp2_shard_points_at(fsdp_param, padded), changed("fsdp2_point_shard_at")
+    padded.fill_(2.0)
+    layer(torch.ones(1, 4)).sum().backward()  # FSDP2 all-gathers the padded shard it was pointed at
+    full = weight.full_tensor()
+    return bool((full == 2.0).all()), tuple(compat.local_shard(weight).shape)
+
+
+@pytest.mark.skipif(torch.__version__ < "2.6", reason="FSDP2 on CPU needs torch >= 2.6")
+def test_fsdp2_shards_can_be_pointed_at_other_memory():
+    from _dist_utils import run_ranks, values
+
+    for all_gathered_from_it, shape in values(run_ranks(_fsdp2_shard_pointers, 2, timeout=120)):
+        assert all_gathered_from_it, changed("fsdp2_point_shard_at", "FSDP2 did not all-gather the new memory")
+        assert shape[1] == 4

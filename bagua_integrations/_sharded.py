@@ -1,0 +1,299 @@
+"""Fused optimizers over FSDP2's sharded parameters: each rank fuses the shards it holds.
+
+FSDP2 (``fully_shard``) turns every parameter into a DTensor holding one rank's shard and
+reduce-scatters gradients into sharded DTensor gradients. An optimizer over such parameters
+is fused through a **shard optimizer**: a copy of it (same class, the same param-group settings)
+whose parameters are plain tensors standing in for this rank's shards, fused as any optimizer
+(:class:`~bagua_integrations.fused_optimizer.Fusion`), with three differences:
+
+* **one memory**: FSDP2's padded shard of every parameter is pointed into the shard optimizer's
+  flat parameter buffer (the slot keeps room for the padding, ``_flat.ShardOf``), so FSDP2
+  all-gathers straight from the memory the fused step updates;
+* **whole-parameter reductions across ranks**: a LAMB trust ratio or BertAdam's per-parameter
+  clipping needs the norm of a whole parameter. Each rank computes every segment's partial
+  value, and one all-reduce per reduction combines those of all parameters of a run
+  (``_segmented.segment_combine``); a reduction that has no such partial form, or one over all
+  of a group's parameters, keeps the optimizer's own DTensor step (decided by the probes, up front);
+* **whole parameters where runs cannot be made**: a step in which a parameter has not taken a
+  step yet (state is created lazily, per parameter) is the optimizer's own step on the DTensors,
+  exact through DTensor's own collectives; its state then moves into the flat buffers.
+
+``optimizer.state`` shows the shard optimizer's state as DTensors sharded like their parameters
+(views of the flat state), so ``state_dict()``, ``load_state_dict()`` and DCP see what the
+unfused optimizer keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict, defaultdict
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import _torch_compat as compat
+from ._flat import SHARD_ATTR, ShardOf
+from ._layout import FusionConfig
+from ._paths import PER_TENSOR
+from ._probe import _NOT_COPIED
+from ._torch_compat import mark_step_taken, unwrapped_step
+from .errors import ShardedParameterError
+
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+               "_optimizer_load_state_dict_post_hooks")
+
+
+def _shard_group(params: List[torch.Tensor]):
+    """The process group over which every parameter of ``params`` is sharded (one mesh dimension
+    with ``Shard(0)``, others replicated, as FSDP2 and HSDP lay them out)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    first = params[0]
+    mesh, placements = first.device_mesh, tuple(first.placements)
+    for p in params:
+        if p.device_mesh != mesh or tuple(p.placements) != placements:
+            raise ShardedParameterError(
+                f"fuse_optimizer over DTensor parameters needs them all on one device mesh with one placement; "
+                f"found {placements} and {tuple(p.placements)}: build one optimizer per mesh"
+            )
+    sharded = [dim for dim, placement in enumerate(placements) if isinstance(placement, Shard)]
+    if len(sharded) != 1 or placements[sharded[0]] != Shard(0) or not all(
+            isinstance(pl, (Shard, Replicate)) for pl in placements):
+        raise ShardedParameterError(
+            f"fuse_optimizer supports parameters sharded along their first dimension over one mesh dimension "
+            f"(FSDP2's fully_shard, HSDP); these have placements {placements}. Use the optimizer unfused here"
+        )
+    return mesh.get_group(sharded[0])
+
+
+def _stand_in(p: torch.Tensor, fsdp_param) -> torch.nn.Parameter:
+    """A plain parameter over ``p``'s local shard, marked with the room of FSDP2's padded shard."""
+    local = compat.local_shard(p)
+    stand_in = torch.nn.Parameter(local.detach(), requires_grad=p.requires_grad)
+    setattr(stand_in, SHARD_ATTR, ShardOf(room=compat.fsdp2_padded_numel(fsdp_param), numel=p.numel()))
+    return stand_in
+
+
+def _shard_optimizer(optimizer: torch.optim.Optimizer, stand_ins: Dict[int, torch.nn.Parameter]):
+    """``optimizer``'s class over the stand-ins: its settings shared (a shallow copy), its hooks
+    and per-parameter state its own, its optimizer-level state (``self.state["k"]``) the same objects."""
+    shard = object.__new__(type(optimizer))
+    shard.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                           if k not in _NOT_COPIED and not k.startswith("_bagua_")})
+    for name in _HOOK_DICTS:
+        setattr(shard, name, OrderedDict())
+    shard.state = defaultdict(dict)
+    shard.state.update({k: v for k, v in optimizer.state.items() if not isinstance(k, torch.Tensor)})
+    shard.param_groups = [dict(group, params=[stand_ins[id(p)] for p in group["params"]])
+                          for group in optimizer.param_groups]
+    return shard
+
+
+class ShardedFusion:
+    """What :func:`fuse_optimizer` attaches to an optimizer over FSDP2's sharded parameters."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: FusionConfig):
+        from .fused_optimizer import _ATTR, Fusion
+
+        self.optimizer = optimizer
+        self.config = config
+        self.step_before_fusing = optimizer.__dict__.get("step")  # restored by unfuse()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        plain = [p for p in params if not compat_is_dtensor(p)]
+        if plain:
+            raise ShardedParameterError(
+                f"this {type(optimizer).__name__} mixes DTensor parameters with {len(plain)} plain one(s) "
+                f"(first: {tuple(plain[0].shape)}); fuse_optimizer over FSDP2 needs every parameter sharded: apply "
+                "fully_shard to the root module too, or build a separate optimizer for the rest"
+            )
+        self.shard_group = _shard_group(params)
+        fsdp = compat.fsdp2_params(params)
+        missing = [p for p in params if id(p) not in fsdp]
+        if missing:
+            raise ShardedParameterError(
+                f"a DTensor parameter of shape {tuple(missing[0].shape)} is not sharded by FSDP2's fully_shard "
+                "(tensor parallelism?); fuse_optimizer supports FSDP2 shards only. Use the optimizer unfused here"
+            )
+        if any(compat.fsdp2_offloads(fsdp[id(p)]) for p in params):
+            raise ShardedParameterError(
+                "FSDP2 offloads these parameters to the CPU (CPUOffloadPolicy); fuse_optimizer keeps shards where "
+                "FSDP2 all-gathers them from and does not support offloading: use the optimizer unfused"
+            )
+        self.params = params
+        self.fsdp_params = [fsdp[id(p)] for p in params]
+        self.stand_ins = [_stand_in(p, fp) for p, fp in zip(params, self.fsdp_params)]
+        self.shard_optimizer = _shard_optimizer(optimizer, {id(p): s for p, s in zip(params, self.stand_ins)})
+        shard_config = dataclasses.replace(config, replace_step=False, verify=0, shard_group=self.shard_group)
+        self.shard_fusion = Fusion(self.shard_optimizer, shard_config)
+        setattr(self.shard_optimizer, _ATTR, self.shard_fusion)
+        layout = self.shard_fusion.layout
+        # Anything not laid out in flat runs would be stepped on its own shard: wrong where the step
+        # reduces over the parameter. The optimizer's own DTensor step runs instead, for every group.
+        self.unfused_reason: Optional[str] = next(
+            (g.reason or g.path_why for g in layout.groups.values() if g.path == PER_TENSOR or g.per_tensor), None)
+        self._padded = {}  # id(parameter) -> its padded shard in the flat buffer
+        # (id(parameter), state key or None for the gradient) -> (flat view, the DTensor shown over it)
+        self._shown: Dict[Any, Any] = {}
+        for buffer in layout.buffers():
+            for slot in buffer.slots:
+                self._padded[id(slot.param)] = buffer.param[slot.start: slot.start + getattr(slot.param, SHARD_ATTR).room]
+        self._point_fsdp_at_buffers(copy=False)
+        self.stepped = set()  # ids of parameters that took a step (their state exists, or needs none)
+        self._import_state()
+        self.handles = [optimizer.register_load_state_dict_post_hook(lambda _: self._import_state()),
+                        optimizer.register_state_dict_post_hook(_compact_state)]
+        self.last_step_whole = False  # the last step was the optimizer's own DTensor step
+
+    # ------------------------------------------------------------------ memory
+    def _point_fsdp_at_buffers(self, copy: bool) -> None:
+        """FSDP2 all-gathers from the flat buffer; after FSDP2 re-pointed a shard (``model.to``,
+        ``load_state_dict(assign=True)``) its values are copied back in first (``copy``)."""
+        for p, fsdp_param, stand_in in zip(self.params, self.fsdp_params, self.stand_ins):
+            padded = self._padded.get(id(stand_in))
+            if padded is None or compat.fsdp2_shard_points_at(fsdp_param, padded):
+                continue
+            with torch.no_grad():
+                if copy:
+                    stand_in.data.copy_(compat.local_shard(p))
+                compat.fsdp2_point_shard_at(fsdp_param, padded, stand_in.data)
+
+    # ------------------------------------------------------------------ state both ways
+    def _import_state(self) -> None:
+        """``optimizer.state`` (DTensors: loaded, or written by a whole-parameter step) into the
+        shard optimizer's state; the next fused step moves it into the flat buffers."""
+        state, shard_state = self.optimizer.state, self.shard_optimizer.state
+        for p, stand_in in zip(self.params, self.stand_ins):
+            entry = state.get(p)
+            if entry:
+                shard_state[stand_in] = {k: compat.local_shard(v) if compat_is_dtensor(v) else v for k, v in entry.items()}
+                self.stepped.add(id(p))
+            else:
+                shard_state.pop(stand_in, None)
+        for key, value in state.items():  # optimizer-level state
+            if not isinstance(key, torch.Tensor):
+                shard_state[key] = value
+        self.shard_fusion.planner.invalidate()
+
+    def _show_state(self) -> None:
+        """The shard optimizer's state in ``optimizer.state``: shard-shaped tensors as DTensors
+        (views of the flat state), the rest as it is. Only what changed is rewrapped."""
+        from torch.distributed.tensor import DTensor
+
+        state, shard_state = self.optimizer.state, self.shard_optimizer.state
+        for p, stand_in in zip(self.params, self.stand_ins):
+            source = shard_state.get(stand_in)
+            if not source:
+                continue
+            entry = state[p]
+            for key, value in source.items():
+                current = entry.get(key)
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == stand_in.shape:
+                    shown = self._shown.get((id(p), key))
+                    if shown is None or shown[0] is not value or current is not shown[1]:
+                        entry[key] = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                                        shape=p.shape, stride=p.stride())
+                        self._shown[(id(p), key)] = (value, entry[key])
+                elif current is not value:
+                    entry[key] = value
+            for key in [k for k in entry if k not in source]:
+                del entry[key]
+        for key, value in shard_state.items():
+            if not isinstance(key, torch.Tensor):
+                state[key] = value
+
+    def _sync_settings(self, source, target) -> None:
+        for a, b in zip(source.param_groups, target.param_groups):
+            for key, value in a.items():
+                if key != "params" and b.get(key, a) is not value:
+                    b[key] = value
+
+    # ------------------------------------------------------------------ the step
+    def step(self, closure=None):
+        optimizer = self.optimizer
+        if len(optimizer.param_groups) != len(self.shard_optimizer.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(optimizer.param_groups, self.shard_optimizer.param_groups)):
+            raise ShardedParameterError(
+                "the param groups changed after fuse_optimizer (add_param_group?); over FSDP2 shards, "
+                "fuse the optimizer once every group is added"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._point_fsdp_at_buffers(copy=True)
+        with_grads = [p for p in self.params if p.grad is not None]
+        if self.unfused_reason is not None or any(id(p) not in self.stepped for p in with_grads):
+            self._whole_parameter_step(with_grads)
+            return loss
+        for p, stand_in in zip(self.params, self.stand_ins):
+            grad = p.grad
+            stand_in.grad = None if grad is None else compat.local_shard(grad)
+        self._sync_settings(optimizer, self.shard_optimizer)
+        from .fused_optimizer import NeedsWholeParameters, _fused_step
+
+        try:
+            _fused_step(self.shard_optimizer, None if closure is None else (lambda: loss))
+        except NeedsWholeParameters:
+            self._whole_parameter_step(with_grads)
+            return loss
+        self._sync_settings(self.shard_optimizer, optimizer)
+        self._show_state()
+        self._grads_into_buffers()
+        self.last_step_whole = False
+        return loss
+
+    def _grads_into_buffers(self) -> None:
+        """Each DTensor gradient becomes a view of the flat gradient buffer (which holds its values now),
+        so that FSDP2 accumulates the next backward into it when gradients are not set to None."""
+        from torch.distributed.tensor import DTensor
+
+        for p, stand_in in zip(self.params, self.stand_ins):
+            grad, view = p.grad, stand_in.grad
+            shown = self._shown.get((id(p), None))
+            if grad is None or view is None or (shown is not None and shown[0] is view and shown[1] is grad):
+                continue
+            p.grad = DTensor.from_local(view, grad.device_mesh, grad.placements, run_check=False,
+                                        shape=grad.shape, stride=grad.stride())
+            self._shown[(id(p), None)] = (view, p.grad)
+
+    def _whole_parameter_step(self, with_grads) -> None:
+        """The optimizer's own step on the DTensors (its first step: state created per parameter)."""
+        optimizer = self.optimizer
+        raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
+        with self.shard_fusion._eager_grad_mode(strips_grad_mode):
+            raw_step(optimizer)
+        self.shard_fusion._after_any_step(self.shard_optimizer, (), {})  # (an ordinary step, to its report)
+        self.stepped.update(id(p) for p in with_grads)
+        self._import_state()
+        self.shard_fusion.planner.first_steps_taken([s for p, s in zip(self.params, self.stand_ins) if id(p) in self.stepped])
+        self.last_step_whole = True
+        mark_step_taken(optimizer)
+
+    def remove(self) -> None:
+        self.shard_fusion.remove()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _compact_state(optimizer, state_dict):
+    """``state_dict()`` holds each DTensor state as a DTensor over its own copy of the shard: a view
+    of a flat state buffer would be saved with the whole buffer (``torch.save``), and cannot be
+    deep-copied. (One copy of the optimizer's state while the state dict lives.)"""
+    from torch.distributed.tensor import DTensor
+
+    for entry in state_dict["state"].values():
+        for key, value in entry.items():
+            if compat_is_dtensor(value):
+                local = compat.local_shard(value)
+                if local.untyped_storage().nbytes() != local.numel() * local.element_size():
+                    entry[key] = DTensor.from_local(local.clone(), value.device_mesh, value.placements,
+                                                    run_check=False, shape=value.shape, stride=value.stride())
+    return state_dict
+
+
+def compat_is_dtensor(value: Any) -> bool:
+    from .fused_optimizer import is_sharded
+
+    return isinstance(value, torch.Tensor) and is_sharded(value)
