@@ -126,6 +126,8 @@ class GroupLayout:
         # counted per step; checks of the real steps look for others (_late_reductions.py)
         self.mixing: Counter = Counter()
         self.why: Dict[str, str] = {}  # path -> why the group (on some device) takes it
+        # over shards: segmented, its first step found exact on runs (_paths.GroupPath.first_step_on_runs)
+        self.first_step_on_runs = False
 
     @property
     def path_why(self) -> str:
@@ -272,6 +274,7 @@ class FlatLayout:
                 if not members:
                     continue
                 layout.segmented = True
+                layout.first_step_on_runs = path.first_step_on_runs
             if reason is None and not self.config.do_flatten and not FlatBuffer.adoptable(members):
                 reason = "do_flatten=False and its parameters are not already contiguous in memory"
             if reason is not None:

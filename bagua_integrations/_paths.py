@@ -36,6 +36,8 @@ class GroupPath:
     # elementwise: what one flat step did that mixes the whole flat tensor, found exact by the probe
     # ((operation, count per step) pairs; _late_reductions)
     mixing: Tuple[Tuple[str, int], ...] = ()
+    # segmented, over shards: its first step (lazy state) was found exact on runs too
+    first_step_on_runs: bool = False
 
     @property
     def refusal(self) -> Optional[str]:
@@ -136,6 +138,9 @@ class PathChooser:
                              tuple(sorted(mixing.items())))
         not_segmented = probe_segmented(self.optimizer, group, device, template, known_reductions_only=self.sharded)
         if not_segmented is None:
+            first_on_runs = self.sharded and probe_segmented(
+                self.optimizer, group, device, template, known_reductions_only=True, first_step_on_runs=True) is None
             return GroupPath(SEGMENTED, f"not elementwise ({not_elementwise}); elementwise apart from reductions "
-                                        "over whole parameters, which are computed per parameter")
+                                        "over whole parameters, which are computed per parameter",
+                             first_step_on_runs=first_on_runs)
         return GroupPath(PER_TENSOR, f"{not_elementwise}; with per-parameter reductions: {not_segmented}")

@@ -365,12 +365,14 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat) -> Optional[str]:
 @_keeps_rng
 def probe_segmented(
     optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device,
-    template: Optional[torch.Tensor] = None, known_reductions_only: bool = False,
+    template: Optional[torch.Tensor] = None, known_reductions_only: bool = False, first_step_on_runs: bool = False,
 ) -> Optional[str]:
     """Return ``None`` if ``optimizer``'s step is exact on segmented runs (``_segmented.py``), else why not.
 
     ``known_reductions_only``: every reduction must be one the mode combines from partial values
-    (as over FSDP2 shards; ``SegmentedMode``).
+    (as over FSDP2 shards; ``SegmentedMode``). ``first_step_on_runs``: the first step too runs on
+    the runs, creating the state there (over shards a first step per parameter would reduce over
+    one rank's part only); only where the group has no state yet.
 
     The same synthetic tensors as :func:`probe_elementwise`, grouped into one run per rank with
     padding between parameters, as the fused step lays them out. The first step runs per
@@ -400,10 +402,12 @@ def probe_segmented(
             views[i] = torch.nn.Parameter(view)
     try:
         opt_a = _probe_clone(optimizer, group, per_tensor)
-        opt_b = _probe_clone(optimizer, group, views)
+        opt_b = _probe_clone(optimizer, group, [proxy for proxy, _, _ in runs] if first_step_on_runs else views)
     except ProbeCopyError as exc:
         return f"it cannot be copied to be probed on synthetic tensors ({exc})"
     per_param, _ = _seed_pieces(optimizer, group, per_tensor, generator, template)  # the group's state, if any
+    if first_step_on_runs and per_param:
+        return "the group has state already (its first step is behind it)"
     for p, view, state in zip(per_tensor, views, per_param or ()):
         opt_a.state[p] = state
         opt_b.state[view] = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
@@ -415,7 +419,7 @@ def probe_segmented(
                 for p, g in zip(per_tensor, step_grads):
                     p.grad = g.clone()
                 closure.step(step, opt_a, n)
-                if n == 0:
+                if n == 0 and not first_step_on_runs:
                     for v, g in zip(views, step_grads):
                         v.grad = g.clone()
                     closure.step(step, opt_b, n)

@@ -34,7 +34,7 @@ import torch
 from . import _torch_compat as compat
 from ._flat import SHARD_ATTR, ShardOf
 from ._layout import FusionConfig
-from ._paths import PER_TENSOR
+from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
 from ._probe import _NOT_COPIED
 from ._torch_compat import mark_step_taken, unwrapped_step
 from .errors import ShardedParameterError
@@ -139,7 +139,13 @@ class ShardedFusion:
             for slot in buffer.slots:
                 self._padded[id(slot.param)] = buffer.param[slot.start: slot.start + getattr(slot.param, SHARD_ATTR).room]
         self._point_fsdp_at_buffers(copy=False)
-        self.stepped = set()  # ids of parameters that took a step (their state exists, or needs none)
+        # ids of parameters whose step can run in flat runs: their state exists, or their group's first
+        # step was found exact on runs (elementwise groups; segmented ones the probes checked)
+        self.stepped = set()
+        for index, group in layout.groups.items():
+            if group.path == ELEMENTWISE or (group.path == SEGMENTED and group.first_step_on_runs):
+                self.stepped.update(id(p) for p in optimizer.param_groups[index]["params"])
+                self.shard_fusion.planner.first_steps_taken(self.shard_optimizer.param_groups[index]["params"])
         self._import_state()
         self.handles = [optimizer.register_load_state_dict_post_hook(lambda _: self._import_state()),
                         optimizer.register_state_dict_post_hook(_compact_state)]

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REFERENCE = "adamw-fused"
-ROWS = ["adamw-foreach", "adamw-forloop", REFERENCE, "adamw-bagua", "bertadam", "bertadam-bagua", "lamb", "lamb-bagua", "floor"]
+ROWS = ["adamw-foreach", "adamw-forloop", REFERENCE, "adamw-bagua", "adamw-fused-bagua", "bertadam", "bertadam-bagua", "lamb", "lamb-bagua", "floor"]
 BYTES_PER_ELEM = 28  # fp32 Adam-like step: read p, g, m, v (16 B) + write p, m, v (12 B)
 MODELS = {"bert-base": {}, "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                                     "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 128}}
@@ -55,6 +55,8 @@ def make_optimizer(row, params):
     from bagua_integrations import fuse_optimizer
     from bagua_integrations.optim import BertAdam, Lamb
 
+    if row == "adamw-fused-bagua":  # torch's own fused kernel, over the flat buffers of this rank's shards
+        return fuse_optimizer(torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True), replace_step=True)
     kind, _, fused = row.partition("-")
     if kind == "adamw" and fused != "bagua":
         flag = {"foreach": {"foreach": True}, "forloop": {"foreach": False}, "fused": {"fused": True}}[fused]

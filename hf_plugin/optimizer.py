@@ -112,7 +112,13 @@ def _default_args():
     return TrainingArguments(report_to="none")
 
 
-def _check_args(args: Any) -> None:
+def _fsdp_version(args: Any) -> int:
+    config = getattr(args, "fsdp_config", None) or {}
+    return int(config.get("fsdp_version", config.get("version", 1)) or 1)
+
+
+def _check_args(args: Any, trainer_builds_it: bool = False) -> None:
+    """``trainer_builds_it``: Trainer builds the optimizer (``optimizer_cls_and_kwargs``), after FSDP2 sharded the model."""
     for name in ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"):
         if not hasattr(args, name):
             raise TypeError(
@@ -124,10 +130,12 @@ def _check_args(args: Any) -> None:
             "DeepSpeed builds and steps its own optimizer over its own flat buffers; a fused optimizer "
             "cannot be handed to it. Drop args.deepspeed or use Trainer's default optimizer."
         )
-    if getattr(args, "fsdp", None):
+    if getattr(args, "fsdp", None) and not (trainer_builds_it and _fsdp_version(args) >= 2):
         raise UnsupportedSetupError(
-            "FSDP shards parameters into its own flat storage after the optimizer is built, and Trainer "
-            "refuses optimizers passed in with FSDP; use DDP (torchrun without fsdp) for a fused optimizer."
+            "Trainer refuses optimizers passed in with FSDP (it shards the model first). Under FSDP2 "
+            "(fsdp_config={'fsdp_version': 2}) let Trainer build the fused optimizer over the shards: "
+            "Trainer(optimizer_cls_and_kwargs=hf_plugin.fused_optimizer_cls_and_kwargs(args)) or "
+            "BaguaTrainer(fuse_optimizer=True). FSDP1 keeps its own flat parameters: use DDP there."
         )
 
 
@@ -280,7 +288,7 @@ def fused_optimizer_cls_and_kwargs(
     """
     if args is None:
         args = _default_args()
-    _check_args(args)
+    _check_args(args, trainer_builds_it=True)
     cls, kwargs = _resolve_cls_and_kwargs(args, None, optimizer_cls, optimizer_kwargs)
     kwargs.update(optimizer_cls=cls, on_unsupported=on_unsupported, assume_elementwise=assume_elementwise)
     return FusedOptimizer, kwargs

@@ -240,10 +240,12 @@ class BaguaTrainer(Trainer):
         elif bagua_autotune:
             raise ValueError("bagua_autotune tunes a Bagua algorithm: pass bagua_algorithm too")
         super().__init__(*args, **kwargs)
-        if self.bagua_fuse_optimizer and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+        fsdp2 = self.is_fsdp_enabled and getattr(self.accelerator, "is_fsdp2", False)
+        if self.bagua_fuse_optimizer and (self.is_deepspeed_enabled or (self.is_fsdp_enabled and not fsdp2)):
             raise UnsupportedSetupError(
-                "BaguaTrainer(fuse_optimizer=True) cannot run under DeepSpeed or FSDP: they own the optimizer's "
-                "parameter storage. Pass fuse_optimizer=False or train with DDP."
+                "BaguaTrainer(fuse_optimizer=True) cannot run under DeepSpeed or FSDP1: they own the optimizer's "
+                "parameter storage. Use FSDP2 (fsdp_config={'fsdp_version': 2}: Trainer builds the optimizer over "
+                "the shards, which are fused then), pass fuse_optimizer=False, or train with DDP."
             )
         self.bagua_callback = callback
         if callback is not None:

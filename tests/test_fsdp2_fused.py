@@ -25,16 +25,20 @@ STEPS = 8
 RTOL = 1e-5  # relative to the parameter's largest value: fp32 rounding of norms combined across ranks
 
 
-def _model(world: int, seed: int = 0) -> torch.nn.Module:
+def _plain_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def _model(world: int, seed: int = 0, **fsdp_kwargs) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    model = _plain_model(seed)
     mesh = init_device_mesh("cpu", (world,))
-    fully_shard(model[0], mesh=mesh)
-    fully_shard(model[2], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model[0], mesh=mesh, **fsdp_kwargs)
+    fully_shard(model[2], mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
     return model
 
 
@@ -49,16 +53,40 @@ def _make(name: str, params):
         return BertAdam(params, lr=1e-2)
     if name == "lamb":  # trust ratio of two whole-parameter norms
         return Lamb(params, lr=1e-2, weight_decay=0.01)
+    if name.startswith("pytorch_optimizer."):  # as people install them (their foreach paths)
+        import pytorch_optimizer
+
+        if name.endswith("LARS"):  # its trust coefficient (1e-3) scales each update down: a larger rate moves the weights
+            return pytorch_optimizer.LARS(params, lr=1.0, weight_decay=0.01)
+        return getattr(pytorch_optimizer, name.split(".", 1)[1])(params, lr=1e-2)
     raise ValueError(name)
 
 
-def _train(model, opt, steps: int, rank: int, start: int = 0) -> None:
+def _batch(rank: int, i: int) -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(1000 * rank + i))
+
+
+def _loss(model, x):
+    return model(x).pow(2).sum() * 3  # large gradients: BertAdam's clipping is active
+
+
+def _train(model, opt, steps: int, rank: int, start: int = 0, micro_batches: int = 1, set_to_none: bool = True) -> None:
     for i in range(start, start + steps):
-        g = torch.Generator().manual_seed(1000 * rank + i)
-        x = torch.randn(5, 8, generator=g)
-        (model(x).pow(2).sum() * 3).backward()  # large gradients: BertAdam's clipping is active
+        for m in range(micro_batches):  # FSDP2 adds each backward's gradient shard to the last
+            _loss(model, _batch(rank + 97 * m, i)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+
+
+def _big_batch_reference(world: int, name: str, steps: int):
+    """One unsharded model trained on every rank's batch (FSDP2 averages gradients over ranks)."""
+    model = _plain_model()
+    opt = _make(name, model.parameters())
+    for i in range(steps):
+        (sum(_loss(model, _batch(r, i)) for r in range(world)) / world).backward()
         opt.step()
         opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def _full(model):
@@ -82,6 +110,48 @@ def _fused_vs_unfused(rank, world, name, compile="auto"):
     return _worst(_full(model), _full(reference)), report.group_paths, report.last_step_fused, report.compiled
 
 
+def _fused_vs_big_batch(rank, world, name):
+    """Optimizers whose own step does not run on DTensors (pytorch-optimizer's foreach paths call ops
+    DTensor has no rule for): fused on shards, against one unsharded model on the whole batch."""
+    from bagua_integrations import fuse_optimizer, fusion_report
+
+    model = _model(world)
+    opt = fuse_optimizer(_make(name, model.parameters()), replace_step=True)
+    _train(model, opt, STEPS, rank)
+    worst = _worst(_full(model), _big_batch_reference(world, name, STEPS))
+    return worst, fusion_report(opt).group_paths
+
+
+def _accumulated_gradients(rank, world, name):
+    """Two backward passes per step, gradients zeroed in place: FSDP2 accumulates into the flat buffer."""
+    from bagua_integrations import fuse_optimizer
+
+    reference = _model(world)
+    plain = _make(name, reference.parameters())
+    _train(reference, plain, STEPS, rank, micro_batches=2, set_to_none=False)
+    model = _model(world)
+    opt = fuse_optimizer(_make(name, model.parameters()), replace_step=True)
+    _train(model, opt, STEPS, rank, micro_batches=2, set_to_none=False)
+    return _worst(_full(model), _full(reference))
+
+
+def _mixed_precision(rank, world, name):
+    """bf16 forward/backward (FSDP2's MixedPrecisionPolicy), fp32 shards and reduction: the fused step
+    equals the unfused one on the same policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from bagua_integrations import fuse_optimizer
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reference = _model(world, mp_policy=policy)
+    plain = _make(name, reference.parameters())
+    _train(reference, plain, STEPS, rank)
+    model = _model(world, mp_policy=policy)
+    opt = fuse_optimizer(_make(name, model.parameters()), replace_step=True)
+    _train(model, opt, STEPS, rank)
+    return _worst(_full(model), _full(reference)), str(next(model.parameters()).dtype)
+
+
 def _norms_of_local_shards_only(rank, world, name):
     """A deliberately broken fused step: each rank's partial norms are not combined."""
     import torch.distributed as dist
@@ -89,6 +159,8 @@ def _norms_of_local_shards_only(rank, world, name):
     real = dist.all_reduce
     dist.all_reduce = lambda *args, **kwargs: None
     try:
+        if name.startswith("pytorch_optimizer."):
+            return _fused_vs_big_batch(rank, world, name)
         return _fused_vs_unfused(rank, world, name)
     finally:
         dist.all_reduce = real
@@ -144,17 +216,65 @@ def _dcp_resume(rank, world, name):
     return _worst(_full(resumed), _full(uninterrupted))
 
 
+def _fsdp2_repoints_its_shards(rank, world):
+    """``load_state_dict(assign=True)`` with swapped tensors (``torch.__future__``: parameters keep their
+    identity, so the optimizer still holds them) gives FSDP2 new shard tensors mid-run, and FSDP2 re-points
+    its padded shards at them: the next fused step copies them back into the flat buffer and points FSDP2
+    at it again."""
+    from bagua_integrations import fuse_optimizer
+
+    uninterrupted = _model(world)
+    opt = fuse_optimizer(_make("lamb", uninterrupted.parameters()), replace_step=True)
+    _train(uninterrupted, opt, STEPS, rank)
+    model = _model(world)
+    opt = fuse_optimizer(_make("lamb", model.parameters()), replace_step=True)
+    _train(model, opt, 3, rank)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    before = [id(p) for p in model.parameters()]
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(state, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert [id(p) for p in model.parameters()] == before
+    _train(model, opt, STEPS - 3, rank, start=3)
+    return _worst(_full(model), _full(uninterrupted))
+
+
+def _unfused_again(rank, world):
+    """``unfuse`` mid-run: the optimizer's own DTensor step carries on from the fused state."""
+    from bagua_integrations import fuse_optimizer, unfuse
+
+    reference = _model(world)
+    plain = _make("bertadam", reference.parameters())
+    _train(reference, plain, STEPS, rank)
+    model = _model(world)
+    opt = fuse_optimizer(_make("bertadam", model.parameters()), replace_step=True)
+    _train(model, opt, 3, rank)
+    unfuse(opt)
+    _train(model, opt, STEPS - 3, rank, start=3)
+    return _worst(_full(model), _full(reference))
+
+
 SCENARIOS = {
+    "assign-state": _fsdp2_repoints_its_shards,
+    "unfuse": _unfused_again,
     **{f"fused-{name}": functools.partial(_fused_vs_unfused, name=name) for name in ("adamw", "sgd", "bertadam", "lamb")},
     **{f"compiled-{name}": functools.partial(_fused_vs_unfused, name=name, compile=True) for name in ("adamw", "lamb")},
-    **{f"broken-{name}": functools.partial(_norms_of_local_shards_only, name=name) for name in ("bertadam", "lamb")},
+    **{f"broken-{name}": functools.partial(_norms_of_local_shards_only, name=name)
+       for name in ("bertadam", "lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS")},
     "state-dict-into-unfused": _state_dict_into_unfused,
-    **{f"dcp-{name}": functools.partial(_dcp_resume, name=name) for name in ("adamw", "lamb")},
+    **{f"big-batch-{name}": functools.partial(_fused_vs_big_batch, name=name)
+       for name in ("lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS")},
+    **{f"accumulated-{name}": functools.partial(_accumulated_gradients, name=name) for name in ("adamw", "bertadam")},
+    **{f"mixed-precision-{name}": functools.partial(_mixed_precision, name=name) for name in ("adamw", "lamb")},
+    **{f"dcp-{name}": functools.partial(_dcp_resume, name=name) for name in ("adamw", "bertadam", "lamb")},
 }
-ON_FOUR_RANKS = ["fused-adamw", "fused-bertadam", "fused-lamb", "broken-lamb"]
+ON_FOUR_RANKS = ["fused-adamw", "fused-bertadam", "fused-lamb", "broken-lamb", "big-batch-pytorch_optimizer.Lamb"]
 
 
-def _batch(rank, world, names):
+def _scenarios(rank, world, names):
     from _dist_utils import run_scenarios
 
     return run_scenarios(rank, world, SCENARIOS, names)
@@ -165,7 +285,7 @@ def _results(world: int):
     from _dist_utils import run_ranks
 
     names = list(SCENARIOS) if world == 2 else ON_FOUR_RANKS
-    return run_ranks(_batch, world, (names,), timeout=400, env={"OMP_NUM_THREADS": "1"})
+    return run_ranks(_scenarios, world, (names,), timeout=400, env={"OMP_NUM_THREADS": "1"})
 
 
 def _value(world, name):
@@ -197,8 +317,10 @@ def test_compiled_fused_step_on_shards_equals_unfused(name):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", ["bertadam", "lamb"])
+@pytest.mark.parametrize("name", ["bertadam", "lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS"])
 def test_norms_of_the_local_shard_only_would_be_caught(world, name):
+    if name.startswith("pytorch_optimizer."):
+        pytest.importorskip("pytorch_optimizer")
     if world == 4 and f"broken-{name}" not in ON_FOUR_RANKS:
         pytest.skip("covered on 2 ranks")
     for worst, *_ in _value(world, f"broken-{name}"):
@@ -211,7 +333,41 @@ def test_fused_state_dict_loads_into_the_unfused_optimizer():
         assert worst < RTOL, worst
 
 
-@pytest.mark.parametrize("name", ["adamw", "lamb"])
+@pytest.mark.parametrize("name", ["adamw", "bertadam", "lamb"])
 def test_dcp_resume_equals_uninterrupted(name):
     for worst in _value(2, f"dcp-{name}"):
+        assert worst < RTOL, worst
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS"])
+def test_fused_on_shards_equals_one_unsharded_model_on_the_whole_batch(world, name):
+    pytest.importorskip("pytorch_optimizer")
+    if world == 4 and f"big-batch-{name}" not in ON_FOUR_RANKS:
+        pytest.skip("covered on 2 ranks")
+    for worst, paths in _value(world, f"big-batch-{name}"):
+        assert paths == ["segmented"], paths
+        assert worst < RTOL, f"{name}: relative difference {worst:.2e} to the unsharded big-batch run"
+
+
+@pytest.mark.parametrize("name", ["adamw", "bertadam"])
+def test_gradients_accumulated_in_place_by_fsdp2(name):
+    for worst in _value(2, f"accumulated-{name}"):
+        assert worst < RTOL, worst
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_mixed_precision_policy(name):
+    for worst, dtype in _value(2, f"mixed-precision-{name}"):
+        assert dtype == "torch.float32"  # the shards the optimizer steps stay fp32
+        assert worst < RTOL, worst
+
+
+def test_shards_fsdp2_points_elsewhere_are_taken_back():
+    for worst in _value(2, "assign-state"):
+        assert worst < RTOL, worst
+
+
+def test_unfuse_continues_with_the_optimizers_own_step():
+    for worst in _value(2, "unfuse"):
         assert worst < RTOL, worst

@@ -237,6 +237,25 @@ def test_torchrun_two_processes_with_bagua_algorithm(tmp_path):
     assert "2 processes" in table, done.stdout
 
 
+@pytest.mark.skipif(__import__("torch").__version__ < "2.6", reason="FSDP2 on CPU needs torch >= 2.6")
+def test_fsdp_rows_under_torchrun(tmp_path):
+    """The FSDP2 rows (--fsdp): BertAdam with its per-parameter clipping, unfused on DTensors and fused on
+    each rank's shards, train to the same accuracy on 2 processes."""
+    out = tmp_path / "out"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    done = run_recipe("--preset", "tiny", "--fsdp", "--rows", "bertadam,bertadam-fused-eager", "--out-dir", out,
+                      launcher=launcher, timeout=600)
+    results, table, _ = load_outputs(out)
+    assert results["world_size"] == 2 and results["frontends"] == ["fsdp"]
+    rows = {r["row"]: r for r in results["rows"]}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["frontend"] == "fsdp", r
+        assert r["steps"] == 32 and r["accuracy"] > ABOVE_CHANCE, r
+    assert rows["bertadam-fused-eager"]["group_paths"] == ["segmented", "segmented"]
+    assert rows["bertadam-fused-eager"]["accuracy"] == rows["bertadam"]["accuracy"]
+    assert "FSDP2 loop" in table and "fully_shard" in table, done.stdout
+
+
 # ------------------------------------------------------------------------------------ fast unit tests
 def test_generated_data_is_deterministic_balanced_and_well_formed():
     spec = SyntheticSpec(vocab_words=500, polar_words=10, min_words=5, max_words=9, label_noise=0.0)

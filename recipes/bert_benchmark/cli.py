@@ -28,7 +28,7 @@ from .rows import DEFAULT_ROWS, ROWS, parse_rows
 
 __all__ = ["main", "build_parser"]
 
-FRONTENDS = ("hf", "fairseq", "both")
+FRONTENDS = ("hf", "fairseq", "both", "fsdp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model/data/training size: 'cpu' (default, a few minutes on a laptop CPU), "
                         "'bert-base' (BERT-base, for GPUs), 'tiny' (seconds; smoke test)")
     parser.add_argument("--frontend", choices=FRONTENDS, default="hf",
-                        help="HF Trainer (hf, default), fairseq-train (fairseq) or both")
+                        help="HF Trainer (hf, default), fairseq-train (fairseq), both, or fsdp: a plain PyTorch loop "
+                        "over the model sharded by FSDP2's fully_shard (CPU gloo by default; torchrun for several processes)")
+    parser.add_argument("--fsdp", action="store_true", help="the same as --frontend fsdp")
     parser.add_argument("--rows", default=None,
                         help=f"comma-separated rows; 'default' stands for the default rows "
                         f"({','.join(DEFAULT_ROWS)}: BertAdam with its defaults -- per-parameter clipping, its own "
@@ -151,6 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"error: --bagua-algorithm-args is not JSON ({exc})") from None
         if not isinstance(algorithm_args, dict):
             raise SystemExit("error: --bagua-algorithm-args must be a JSON object of keyword arguments")
+    if args.fsdp:
+        args.frontend = "fsdp"
     frontends = ["hf", "fairseq"] if args.frontend == "both" else [args.frontend]
     out_dir = args.out_dir or os.path.join("results", "bert_benchmark", preset.name)
     train, valid, tokenizer, data_description = load_data(args, preset)
@@ -209,6 +213,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       num_labels=num_labels, precision=args.precision, bagua_algorithm=args.bagua_algorithm,
                       bagua_algorithm_args=algorithm_args, progress=not args.no_progress)
         run_hf(plan, rows, on_result=on_result)
+    if "fsdp" in frontends:
+        from .fsdp_frontend import run_fsdp
+        from .hf_frontend import HFPlan
+
+        if args.bagua_algorithm:
+            raise SystemExit("error: Bagua algorithms communicate as DDP hooks; under FSDP2 FSDP2 communicates: "
+                             "drop --bagua-algorithm with --fsdp")
+        if args.precision != "fp32":
+            raise SystemExit("error: the fsdp front end runs fp32 (FSDP2's mixed precision is not wired into the recipe)")
+        plan = HFPlan(preset, train, valid, out_dir, seed=args.seed, model_dir=args.model, tokenizer=tokenizer,
+                      num_labels=num_labels, progress=False)
+        run_fsdp(plan, rows, on_result=on_result)
     if "fairseq" in frontends and rank == 0:
         from .fairseq_frontend import FairseqPlan, run_fairseq
 
@@ -238,6 +254,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             + (f", Bagua algorithm {args.bagua_algorithm} on the bagua_fused rows" if args.bagua_algorithm else "")
             + "; times are rank 0's."
         )
+    if "fsdp" in frontends:
+        from .fsdp_frontend import fsdp_notes
+
+        notes.append(fsdp_notes(world))
     table = markdown_table(results, title, hw, notes)
     with open(os.path.join(out_dir, "results.md"), "w") as handle:
         handle.write(table)

@@ -21,7 +21,7 @@ SEED_REFERENCE = {
     "accuracy_with": 0.9260,
 }
 
-FRONTEND_NAMES = {"hf": "HF Trainer", "fairseq": "fairseq"}
+FRONTEND_NAMES = {"hf": "HF Trainer", "fairseq": "fairseq", "fsdp": "FSDP2 loop"}
 
 
 def add_speedups(results: Sequence[RowResult]) -> None:
