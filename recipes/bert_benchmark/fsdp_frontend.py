@@ -109,7 +109,11 @@ def run_row(plan: HFPlan, row: Row) -> RowResult:
     optimizer = build_optimizer(row, model, args, total_steps=total, warmup_ratio=preset.warmup_ratio)
     scheduler = (get_linear_schedule_with_warmup(optimizer, int(preset.warmup_ratio * total), total)
                  if row.frontend_clips_and_schedules else None)
-    report = (lambda: fusion_report(optimizer)) if is_fused_optimizer(optimizer) else (lambda: None)
+    fused = is_fused_optimizer(optimizer)
+
+    def report():
+        return fusion_report(optimizer) if fused else None
+
     full, done, epochs, compiled_steps = plan.steps_per_epoch(), 0, [], []
     for epoch in range(math.ceil(preset.epochs)):
         dist.barrier()
@@ -167,7 +171,7 @@ def run_row(plan: HFPlan, row: Row) -> RowResult:
         later = compiled_steps[1:]
         result.compiled_share = round(sum(later) / len(later), 4) if later else None
     result.extra["world_size"] = dist.get_world_size()
-    del optimizer, model
+    optimizer = model = scheduler = None  # (freed before the next row builds its model)
     gc.collect()
     return result
 
