@@ -57,6 +57,7 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._optimizer_copy import optimizer_like
 from ._torch_compat import aten_operator_packet, exception_chain, size_hint
 from ._verify import _rng_devices
 
@@ -377,7 +378,11 @@ _SIZES = [n for n in range(29, 2000, 2) if _is_prime(n)]
 
 # Attributes of the optimizer the dry run's copy does not take over (its own param_groups and
 # state replace them; the fusion and the hooks are not the step's business).
-_NOT_TAKEN = frozenset({"param_groups", "state", "defaults", "fuse_step", "step"})
+def _copy_public_containers(attributes: Dict[str, Any]) -> Dict[str, Any]:
+    """Public containers the step may change in place (``self.norms = {}``) are copied; the rest
+    (``defaults``, private attributes) is shared."""
+    return {key: copy.deepcopy(value) if not key.startswith("_") and key != "defaults"
+            and isinstance(value, (dict, list, set)) else value for key, value in attributes.items()}
 
 
 class DryRun:
@@ -408,17 +413,11 @@ class DryRun:
                 else:
                     entry[key] = _copied(value)
             params_by_group[index].append(dry)
-        clone = object.__new__(type(optimizer))
-        for key, value in vars(optimizer).items():
-            if key in _NOT_TAKEN or key.startswith("_bagua_"):
-                continue
-            # public containers the step may change in place (``self.norms = {}``) are copied
-            deep = not key.startswith("_") and isinstance(value, (dict, list, set))
-            clone.__dict__[key] = copy.deepcopy(value) if deep else value
-        clone.defaults = optimizer.defaults
-        clone.param_groups = [dict({k: _copied(v) for k, v in g.items() if k != "params"}, params=params_by_group[i])
-                              for i, g in enumerate(optimizer.param_groups)]
-        clone.state = state
+        clone = optimizer_like(
+            optimizer,
+            [dict({k: _copied(v) for k, v in g.items() if k != "params"}, params=params_by_group[i])
+             for i, g in enumerate(optimizer.param_groups)],
+            state, _copy_public_containers)
         watch = watched(carried)
         with torch.random.fork_rng(devices=_rng_devices(run.proxy for _, run in runs)):
             try:

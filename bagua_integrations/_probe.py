@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from contextlib import contextmanager
 from collections import Counter
 from typing import Any, Dict, List, Optional
@@ -21,6 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._late_reductions import _SIZE_READS, watched
+from ._optimizer_copy import optimizer_like
 from ._segmented import Segmentation, SegmentedMode, run_shape, segment_views, state_kind
 from ._torch_compat import tensor_version
 from .errors import FusionError
@@ -42,8 +43,6 @@ _RTOL = 1e-5
 
 # Attributes of the optimizer the probe's copies never get: its real parameters and state,
 # its hooks, and what fuse_optimizer / GradScaler attach to it.
-_NOT_COPIED = ("param_groups", "state", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "fuse_step",
-               "step", "grad_scale", "found_inf")
 
 
 
@@ -90,17 +89,11 @@ def _probe_clone(optimizer: torch.optim.Optimizer, group: Dict[str, Any], params
     of its inner optimizer and of that one's parameters. Ordinary optimizers hold nothing
     but small settings outside ``param_groups``/``state``, so the copy is cheap.
     """
-    clone = object.__new__(type(optimizer))
-    rest = {k: v for k, v in optimizer.__dict__.items() if k not in _NOT_COPIED and not k.startswith("_bagua_")}
-    try:
-        clone.__dict__.update(copy.deepcopy(rest))
-    except Exception as exc:
-        raise ProbeCopyError(f"{type(exc).__name__}: {exc}") from exc
-    clone.state = defaultdict(dict)
+    state = defaultdict(dict)
     # optimizer-level state (``self.state["k"]``, not keyed by a parameter) is copied as it is: a step
     # count kept there decides, like the group's and the parameters', what the step does next
     try:
-        clone.state.update(copy.deepcopy({k: v for k, v in optimizer.state.items() if not isinstance(k, torch.Tensor)}))
+        state.update(copy.deepcopy({k: v for k, v in optimizer.state.items() if not isinstance(k, torch.Tensor)}))
     except Exception as exc:
         raise ProbeCopyError(f"its optimizer-level state cannot be copied ({type(exc).__name__}: {exc})") from exc
     # the group's own values are copied too: after a first step some optimizers keep tensors there
@@ -109,10 +102,14 @@ def _probe_clone(optimizer: torch.optim.Optimizer, group: Dict[str, Any], params
         settings = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
     except Exception as exc:
         raise ProbeCopyError(f"its param group cannot be copied ({type(exc).__name__}: {exc})") from exc
-    clone.param_groups = [dict(settings, params=params)]
-    clone._optimizer_step_pre_hooks = OrderedDict()
-    clone._optimizer_step_post_hooks = OrderedDict()
-    return clone
+
+    def deep(rest):
+        try:
+            return copy.deepcopy(rest)
+        except Exception as exc:
+            raise ProbeCopyError(f"{type(exc).__name__}: {exc}") from exc
+
+    return optimizer_like(optimizer, [dict(settings, params=params)], state, deep, skip=("grad_scale", "found_inf"))
 
 
 def _user_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:

@@ -26,7 +26,7 @@ unfused optimizer keeps.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -35,13 +35,10 @@ from . import _torch_compat as compat
 from ._flat import SHARD_ATTR, ShardOf
 from ._layout import FusionConfig
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
-from ._probe import _NOT_COPIED
+from ._optimizer_copy import optimizer_like
 from ._torch_compat import mark_step_taken, unwrapped_step
 from .errors import ShardedParameterError
 
-_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-               "_optimizer_load_state_dict_post_hooks")
 
 
 def _shard_group(params: List[torch.Tensor]):
@@ -76,18 +73,12 @@ def _stand_in(p: torch.Tensor, fsdp_param) -> torch.nn.Parameter:
 
 
 def _shard_optimizer(optimizer: torch.optim.Optimizer, stand_ins: Dict[int, torch.nn.Parameter]):
-    """``optimizer``'s class over the stand-ins: its settings shared (a shallow copy), its hooks
-    and per-parameter state its own, its optimizer-level state (``self.state["k"]``) the same objects."""
-    shard = object.__new__(type(optimizer))
-    shard.__dict__.update({k: v for k, v in optimizer.__dict__.items()
-                           if k not in _NOT_COPIED and not k.startswith("_bagua_")})
-    for name in _HOOK_DICTS:
-        setattr(shard, name, OrderedDict())
-    shard.state = defaultdict(dict)
-    shard.state.update({k: v for k, v in optimizer.state.items() if not isinstance(k, torch.Tensor)})
-    shard.param_groups = [dict(group, params=[stand_ins[id(p)] for p in group["params"]])
-                          for group in optimizer.param_groups]
-    return shard
+    """``optimizer``'s class over the stand-ins: its settings shared, its hooks and per-parameter state
+    its own, its optimizer-level state (``self.state["k"]``) the same objects."""
+    state = defaultdict(dict)
+    state.update({k: v for k, v in optimizer.state.items() if not isinstance(k, torch.Tensor)})
+    groups = [dict(group, params=[stand_ins[id(p)] for p in group["params"]]) for group in optimizer.param_groups]
+    return optimizer_like(optimizer, groups, state)
 
 
 class ShardedFusion:

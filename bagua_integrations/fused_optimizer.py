@@ -596,8 +596,9 @@ class Fusion:
             self.segmented[key] = (mode, compiled)
         mode, compiled = self.segmented[key]
         # a first step on runs (over shards) creates the state: tracing it would cost a throw-away graph
-        has_state = all(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"])
-        if (compiled is not None and compiled.disabled_reason is None and self._replay is None and has_state
+        creates_state = self.stats.fused_steps == 0 and not all(
+            optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"])
+        if (compiled is not None and compiled.disabled_reason is None and self._replay is None and not creates_state
                 and compiled(optimizer, raw_step, mode)):
             return True
         try:
