@@ -211,3 +211,10 @@ def case_result(results: Dict[str, Any], name: str) -> Any:
     result = results[name]
     assert "crash" not in result, f"{name} crashed:\n{result['crash']}"
     return result
+
+
+def fsdp2_runs_on_cpu() -> bool:
+    """FSDP2's forward and backward run on CPU (gloo): they record events on CPU streams, which
+    ``torch.cpu.Stream`` can do from torch 2.7 or later (2.5.1 and 2.6.0 fail with "'Stream' object has
+    no attribute 'record_event'"; 2.10.0 and later checked to work)."""
+    return hasattr(torch.cpu.Stream, "record_event")

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from _dist_utils import free_port
+from _dist_utils import free_port, fsdp2_runs_on_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -50,7 +49,7 @@ def test_distributed_example_under_torchrun(algorithm):
         assert "between ranks 0.0e+00" in out
 
 
-@pytest.mark.skipif(torch.__version__ < "2.6", reason="FSDP2 on CPU needs torch >= 2.6")
+@pytest.mark.skipif(not fsdp2_runs_on_cpu(), reason="FSDP2 does not run on CPU with this torch")
 @pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
 def test_fsdp2_example_under_torchrun(optimizer):
     out = _run("fsdp2_fused.py", optimizer, nproc=2)
