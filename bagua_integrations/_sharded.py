@@ -119,17 +119,12 @@ class ShardedFusion:
         self.shard_fusion = Fusion(self.shard_optimizer, shard_config)
         setattr(self.shard_optimizer, _ATTR, self.shard_fusion)
         layout = self.shard_fusion.layout
-        # Anything not laid out in flat runs would be stepped on its own shard: wrong where the step
-        # reduces over the parameter. The optimizer's own DTensor step runs instead, for every group.
-        self.unfused_reason: Optional[str] = next(
-            (g.reason or g.path_why for g in layout.groups.values() if g.path == PER_TENSOR or g.per_tensor), None)
-        self._padded = {}  # id(parameter) -> its padded shard in the flat buffer
+        self.unfused_reason: Optional[str] = None
+        self._padded = {}  # id(stand-in) -> its padded shard in the flat buffer
+        self._generation = None  # the layout's generation _padded was taken from
         # (id(parameter), state key or None for the gradient) -> (flat view, the DTensor shown over it)
         self._shown: Dict[Any, Any] = {}
-        for buffer in layout.buffers():
-            for slot in buffer.slots:
-                self._padded[id(slot.param)] = buffer.param[slot.start: slot.start + getattr(slot.param, SHARD_ATTR).room]
-        self._point_fsdp_at_buffers(copy=False)
+        self._follow_layout()
         # ids of parameters whose step can run in flat runs: their state exists, or their group's first
         # step was found exact on runs (elementwise groups; segmented ones the probes checked)
         self.stepped = set()
@@ -143,6 +138,21 @@ class ShardedFusion:
         self.last_step_whole = False  # the last step was the optimizer's own DTensor step
 
     # ------------------------------------------------------------------ memory
+    def _follow_layout(self) -> None:
+        """FSDP2 all-gathers from the flat buffers the shard optimizer has now: at fusing, and after it
+        laid a group out anew (a setting its step branches on changed, a late reduction re-planned it),
+        when the new buffers hold the values. A group that left the flat buffers makes every step the
+        optimizer's own DTensor step: a shard stepped on its own would reduce over this rank's part only."""
+        layout = self.shard_fusion.layout
+        if layout.generation == self._generation:
+            return
+        self._generation = layout.generation
+        self.unfused_reason = next(
+            (g.reason or g.path_why for g in layout.groups.values() if g.path == PER_TENSOR or g.per_tensor), None)
+        self._padded = {id(slot.param): buffer.param[slot.start: slot.start + getattr(slot.param, SHARD_ATTR).room]
+                        for buffer in layout.buffers() for slot in buffer.slots}
+        self._point_fsdp_at_buffers(copy=False)
+
     def _point_fsdp_at_buffers(self, copy: bool) -> None:
         """FSDP2 all-gathers from the flat buffer; after FSDP2 re-pointed a shard (``model.to``,
         ``load_state_dict(assign=True)``) its values are copied back in first (``copy``)."""
@@ -232,8 +242,10 @@ class ShardedFusion:
         try:
             _fused_step(self.shard_optimizer, None if closure is None else (lambda: loss))
         except NeedsWholeParameters:
+            self._follow_layout()
             self._whole_parameter_step(with_grads)
             return loss
+        self._follow_layout()
         self._sync_settings(self.shard_optimizer, optimizer)
         self._show_state()
         self._grads_into_buffers()

@@ -258,7 +258,35 @@ def _unfused_again(rank, world):
     return _worst(_full(model), _full(reference))
 
 
+def _clipping_switched_on(rank, world):
+    """BertAdam without clipping (elementwise) for 3 steps, then with it (segmented): the group is laid
+    out anew in new flat buffers, and FSDP2 must all-gather from those."""
+    from bagua_integrations import fuse_optimizer, fusion_report
+
+    def train(model, opt):
+        _train(model, opt, 3, rank)
+        for group in opt.param_groups:
+            group["max_grad_norm"] = 1.0
+        _train(model, opt, STEPS - 3, rank, start=3)
+
+    reference = _model(world)
+    plain = _make("bertadam", reference.parameters())
+    for group in plain.param_groups:
+        group["max_grad_norm"] = -1.0
+    train(reference, plain)
+    model = _model(world)
+    opt = _make("bertadam", model.parameters())
+    for group in opt.param_groups:
+        group["max_grad_norm"] = -1.0
+    fuse_optimizer(opt, replace_step=True)
+    paths = [list(fusion_report(opt).group_paths)]
+    train(model, opt)
+    paths.append(list(fusion_report(opt).group_paths))
+    return _worst(_full(model), _full(reference)), paths
+
+
 SCENARIOS = {
+    "clipping-switched-on": _clipping_switched_on,
     "assign-state": _fsdp2_repoints_its_shards,
     "unfuse": _unfused_again,
     **{f"fused-{name}": functools.partial(_fused_vs_unfused, name=name) for name in ("adamw", "sgd", "bertadam", "lamb")},
@@ -371,4 +399,10 @@ def test_shards_fsdp2_points_elsewhere_are_taken_back():
 
 def test_unfuse_continues_with_the_optimizers_own_step():
     for worst in _value(2, "unfuse"):
+        assert worst < RTOL, worst
+
+
+def test_a_group_laid_out_anew_mid_run_stays_what_fsdp2_all_gathers():
+    for worst, paths in _value(2, "clipping-switched-on"):
+        assert paths == [["elementwise"], ["segmented"]], paths
         assert worst < RTOL, worst
