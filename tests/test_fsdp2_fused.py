@@ -31,12 +31,14 @@ def _plain_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
 
 
-def _model(world: int, seed: int = 0, **fsdp_kwargs) -> torch.nn.Module:
+def _model(world: int, seed: int = 0, hsdp: bool = False, **fsdp_kwargs) -> torch.nn.Module:
+    """``hsdp``: a 2 x (world / 2) mesh, replicated over its first dimension and sharded over its second."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = _plain_model(seed)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh("cpu", (world,)))
     fully_shard(model[0], mesh=mesh, **fsdp_kwargs)
     fully_shard(model[2], mesh=mesh, **fsdp_kwargs)
     fully_shard(model, mesh=mesh, **fsdp_kwargs)
@@ -98,13 +100,13 @@ def _worst(a, b) -> float:
     return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)) for x, y in zip(a, b))
 
 
-def _fused_vs_unfused(rank, world, name, compile="auto"):
+def _fused_vs_unfused(rank, world, name, compile="auto", hsdp=False):
     from bagua_integrations import fuse_optimizer, fusion_report
 
-    reference = _model(world)
+    reference = _model(world, hsdp=hsdp)
     plain = _make(name, reference.parameters())
     _train(reference, plain, STEPS, rank)
-    model = _model(world)
+    model = _model(world, hsdp=hsdp)
     opt = fuse_optimizer(_make(name, model.parameters()), replace_step=True, compile=compile)
     _train(model, opt, STEPS, rank)
     report = fusion_report(opt)
@@ -287,6 +289,7 @@ def _clipping_switched_on(rank, world):
 
 SCENARIOS = {
     "clipping-switched-on": _clipping_switched_on,
+    "hsdp-bertadam": functools.partial(_fused_vs_unfused, name="bertadam", hsdp=True),
     "assign-state": _fsdp2_repoints_its_shards,
     "unfuse": _unfused_again,
     **{f"fused-{name}": functools.partial(_fused_vs_unfused, name=name) for name in ("adamw", "sgd", "bertadam", "lamb")},
@@ -300,7 +303,8 @@ SCENARIOS = {
     **{f"mixed-precision-{name}": functools.partial(_mixed_precision, name=name) for name in ("adamw", "lamb")},
     **{f"dcp-{name}": functools.partial(_dcp_resume, name=name) for name in ("adamw", "bertadam", "lamb")},
 }
-ON_FOUR_RANKS = ["fused-adamw", "fused-bertadam", "fused-lamb", "broken-lamb", "big-batch-pytorch_optimizer.Lamb"]
+ON_FOUR_RANKS = ["fused-adamw", "fused-bertadam", "fused-lamb", "broken-lamb", "big-batch-pytorch_optimizer.Lamb",
+                 "hsdp-bertadam"]
 
 
 def _scenarios(rank, world, names):
@@ -405,4 +409,12 @@ def test_unfuse_continues_with_the_optimizers_own_step():
 def test_a_group_laid_out_anew_mid_run_stays_what_fsdp2_all_gathers():
     for worst, paths in _value(2, "clipping-switched-on"):
         assert paths == [["elementwise"], ["segmented"]], paths
+        assert worst < RTOL, worst
+
+
+def test_hsdp_replicated_and_sharded_mesh():
+    """HSDP (2 replicas x 2 shards): partial norms combine over the shard dimension only (BertAdam: its
+    clipping sees the norm; a LAMB trust ratio would not, both of its norms scaling alike)."""
+    for worst, paths, fused, _ in _value(4, "hsdp-bertadam"):
+        assert fused and paths == ["segmented"]
         assert worst < RTOL, worst
