@@ -14,9 +14,11 @@ whose parameters are plain tensors standing in for this rank's shards, fused as 
   value, and one all-reduce per reduction combines those of all parameters of a run
   (``_segmented.segment_combine``); a reduction that has no such partial form, or one over all
   of a group's parameters, keeps the optimizer's own DTensor step (decided by the probes, up front);
-* **whole parameters where runs cannot be made**: a step in which a parameter has not taken a
-  step yet (state is created lazily, per parameter) is the optimizer's own step on the DTensors,
-  exact through DTensor's own collectives; its state then moves into the flat buffers.
+* **first steps**: an optimizer creates its state lazily, in its first step. That step runs on the
+  flat runs where the probes found it exact there (elementwise groups; segmented ones checked with
+  ``first_step_on_runs``), else it is the optimizer's own step on the DTensors, exact through DTensor's
+  own collectives, and its state then moves into the flat buffers. Any step in which a shard would
+  be stepped on its own (``NeedsWholeParameters``) is that DTensor step too.
 
 ``optimizer.state`` shows the shard optimizer's state as DTensors sharded like their parameters
 (views of the flat state), so ``state_dict()``, ``load_state_dict()`` and DCP see what the
@@ -38,7 +40,6 @@ from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
 from ._optimizer_copy import optimizer_like
 from ._torch_compat import mark_step_taken, unwrapped_step
 from .errors import ShardedParameterError
-
 
 
 def _shard_group(params: List[torch.Tensor]):
