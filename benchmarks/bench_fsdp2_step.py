@@ -45,7 +45,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REFERENCE = "adamw-fused"
-ROWS = ["adamw-foreach", "adamw-forloop", REFERENCE, "adamw-bagua", "adamw-fused-bagua", "bertadam", "bertadam-bagua", "lamb", "lamb-bagua", "floor"]
+ROWS = ["adamw-foreach", "adamw-forloop", REFERENCE, "adamw-bagua", "adamw-fused-bagua", "bertadam", "bertadam-bagua", "lamb", "lamb-bagua", "floor",
+        "floor-lamb"]
 BYTES_PER_ELEM = 28  # fp32 Adam-like step: read p, g, m, v (16 B) + write p, m, v (12 B)
 MODELS = {"bert-base": {}, "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                                     "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 128}}
@@ -84,6 +85,27 @@ def floor_steps(params):
 
     compiled = torch.compile(adam, fullgraph=True)
     return {"eager": lambda: adam(p, g, m, v, lr), "compiled": lambda: compiled(p, g, m, v, lr)}
+
+
+def lamb_floor_step(params):
+    """LAMB's own memory traffic, compiled, over flat copies of this rank's local shards: the update and
+    its norm in one pass (reads p, g, m, v; writes m, v), the trust-ratio step in a second (the norms are
+    one over the whole buffer here: the same traffic as one per parameter, without a collective)."""
+    local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in params]
+    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for p in params]
+    p = torch.cat([t.reshape(-1) for t in local])
+    g = torch.cat([t.reshape(-1) for t in grads])
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    lr = torch.tensor(1e-4)
+
+    def lamb(p, g, m, v, lr):
+        m.mul_(0.9).add_(g, alpha=0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        update = m / (v.sqrt() + 1e-6) + 0.01 * p
+        p.sub_(lr * (p.norm() / update.norm()) * update)
+
+    compiled = torch.compile(lamb, fullgraph=True)
+    return lambda: compiled(p, g, m, v, lr)
 
 
 def time_steps(step, steps, dist):
@@ -133,6 +155,9 @@ def worker(rank, world, port, args, out_dir):
                                        for label, step in floor_steps(params).items()}
                     res.update(label=min(res["variants"], key=lambda k: statistics.median(res["variants"][k]["times"])))
                     res.update(res["variants"][res["label"]])
+                elif row == "floor-lamb":
+                    first3, times = time_steps(lamb_floor_step(params), args.steps, dist)
+                    res.update(first3=first3, times=times)
                 else:
                     started = time.perf_counter()
                     opt = make_optimizer(row, params)
@@ -244,7 +269,8 @@ def main(argv=None):
             print(f"| {row} | n/a ({why}) | | | | | | |")
             continue
         ms, local = median[row][0], [rk[row]["local"] for rk in ranks]
-        name = f"{row} ({res['label']}: one Adam pass over the flat local shards)" if row == "floor" else row
+        name = {"floor": f"floor ({res.get('label')}: one Adam pass over the flat local shards)",
+                "floor-lamb": "floor-lamb (compiled: LAMB's two passes over the flat local shards)"}.get(row, row)
         print(f"| {name} | {ms:.2f} | {max(median[row]):.2f} | {f'{ms / ref:.2f}x' if ref else '-'} | {res['first3']:.1f} "
               f"| {res['params']} | {local[0] / 1e6:.2f} / {max(local) / 1e6:.2f} | {BYTES_PER_ELEM * local[0] / ms / 1e6:.1f} |")
     if args.json:
