@@ -376,8 +376,6 @@ def _is_prime(n: int) -> bool:
 # of such a size was computed from that run, and an ``.item()``-style read fails as on a real run.
 _SIZES = [n for n in range(29, 2000, 2) if _is_prime(n)]
 
-# Attributes of the optimizer the dry run's copy does not take over (its own param_groups and
-# state replace them; the fusion and the hooks are not the step's business).
 def _copy_public_containers(attributes: Dict[str, Any]) -> Dict[str, Any]:
     """Public containers the step may change in place (``self.norms = {}``) are copied; the rest
     (``defaults``, private attributes) is shared."""

@@ -28,6 +28,11 @@ except ImportError:  # a torch built without distributed support
     DTensor = None
 
 ON_UNSUPPORTED = ("raise", "fallback")
+
+
+def is_sharded(tensor: Any) -> bool:
+    """A DTensor (FSDP2's ``fully_shard``, tensor parallelism): this rank holds part of it."""
+    return DTensor is not None and isinstance(tensor, DTensor)
 COMPILE_MODES = (True, False, "auto")
 
 
@@ -203,17 +208,17 @@ class FlatLayout:
                 seen[id(p)] = (index, i)
 
     def _check_no_sharded_parameters(self, index: int, group: Dict[str, Any]) -> None:
-        """DTensor parameters (FSDP2, tensor parallelism) hold only this rank's shard, behind
-        DTensor's own dispatch: a flat buffer cannot take them in (it would fail deep inside torch)."""
-        if DTensor is not None:
-            for i, p in enumerate(group["params"]):
-                if isinstance(p, DTensor):
-                    raise ShardedParameterError(
-                        f"{self._param_name(group, index, i, p)} is a DTensor (sharded by FSDP2's fully_shard or "
-                        "tensor parallelism), which fuse_optimizer does not support yet. Use the optimizer unfused "
-                        "for sharded models (torch.optim.AdamW(..., fused=True) or foreach=True are the fast "
-                        "choices there), or fuse it for a model that is not sharded (DDP or bagua_init)"
-                    )
+        """DTensor parameters hold only this rank's shard, behind DTensor's own dispatch: a flat buffer
+        cannot take them in (it would fail deep inside torch). An optimizer over FSDP2's shards is fused
+        through its shards (``_sharded.py``); this layout sees one only where a DTensor was added later
+        (``add_param_group``) to an optimizer fused over plain parameters."""
+        for i, p in enumerate(group["params"]):
+            if is_sharded(p):
+                raise ShardedParameterError(
+                    f"{self._param_name(group, index, i, p)} is a DTensor added to an optimizer fused over plain "
+                    "parameters; an optimizer over FSDP2's shards must hold only sharded parameters when "
+                    "fuse_optimizer is called. Build and fuse a separate optimizer for the sharded model"
+                )
 
     def warn_once(self, key: str, message: str, stacklevel: int) -> None:
         if key not in self._warned:

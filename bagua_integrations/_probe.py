@@ -41,12 +41,6 @@ _PROBE_STEPS = 3
 _RTOL = 1e-5
 
 
-# Attributes of the optimizer the probe's copies never get: its real parameters and state,
-# its hooks, and what fuse_optimizer / GradScaler attach to it.
-
-
-
-
 class _SizeReads(TorchFunctionMode):
     """Notes whether the step reads the size of a tensor with ``numel`` elements (the flat one,
     its gradient or its state): a threshold such as ``p.numel() >= 4096`` takes the same branch

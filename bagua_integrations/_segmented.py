@@ -227,7 +227,9 @@ _REDUCTION_NAMES = {torch.sum: "sum", torch.Tensor.sum: "sum", torch.mean: "mean
 _INF = float("inf")
 
 
+# per combination: the value of a segment with no elements (an empty shard), the all-reduce over shards
 _NEUTRAL = {"sum": 0.0, "amax": -float("inf"), "amin": float("inf")}
+_REDUCE_OPS = {"sum": "SUM", "amax": "MAX", "amin": "MIN"}
 
 
 @torch.library.custom_op("bagua_integrations::segment_combine", mutates_args=())
@@ -246,9 +248,6 @@ def segment_combine(partials: torch.Tensor, key: str, how: str) -> torch.Tensor:
 
         dist.all_reduce(values, op=getattr(dist.ReduceOp, _REDUCE_OPS[how]), group=seg.shard_group)
     return values
-
-
-_REDUCE_OPS = {"sum": "SUM", "amax": "MAX", "amin": "MIN"}
 
 
 @segment_combine.register_fake

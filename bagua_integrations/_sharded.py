@@ -35,7 +35,7 @@ import torch
 
 from . import _torch_compat as compat
 from ._flat import SHARD_ATTR, ShardOf
-from ._layout import FusionConfig
+from ._layout import FusionConfig, is_sharded
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
 from ._optimizer_copy import optimizer_like
 from ._torch_compat import mark_step_taken, unwrapped_step
@@ -92,7 +92,7 @@ class ShardedFusion:
         self.config = config
         self.step_before_fusing = optimizer.__dict__.get("step")  # restored by unfuse()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        plain = [p for p in params if not compat_is_dtensor(p)]
+        plain = [p for p in params if not is_sharded(p)]
         if plain:
             raise ShardedParameterError(
                 f"this {type(optimizer).__name__} mixes DTensor parameters with {len(plain)} plain one(s) "
@@ -136,7 +136,6 @@ class ShardedFusion:
         self._import_state()
         self.handles = [optimizer.register_load_state_dict_post_hook(lambda _: self._import_state()),
                         optimizer.register_state_dict_post_hook(_compact_state)]
-        self.last_step_whole = False  # the last step was the optimizer's own DTensor step
 
     # ------------------------------------------------------------------ memory
     def _follow_layout(self) -> None:
@@ -174,7 +173,7 @@ class ShardedFusion:
         for p, stand_in in zip(self.params, self.stand_ins):
             entry = state.get(p)
             if entry:
-                shard_state[stand_in] = {k: compat.local_shard(v) if compat_is_dtensor(v) else v for k, v in entry.items()}
+                shard_state[stand_in] = {k: compat.local_shard(v) if is_sharded(v) else v for k, v in entry.items()}
                 self.stepped.add(id(p))
             else:
                 shard_state.pop(stand_in, None)
@@ -213,7 +212,7 @@ class ShardedFusion:
     def _sync_settings(self, source, target) -> None:
         for a, b in zip(source.param_groups, target.param_groups):
             for key, value in a.items():
-                if key != "params" and b.get(key, a) is not value:
+                if key != "params" and (key not in b or b[key] is not value):
                     b[key] = value
 
     # ------------------------------------------------------------------ the step
@@ -250,7 +249,6 @@ class ShardedFusion:
         self._sync_settings(self.shard_optimizer, optimizer)
         self._show_state()
         self._grads_into_buffers()
-        self.last_step_whole = False
         return loss
 
     def _grads_into_buffers(self) -> None:
@@ -277,7 +275,6 @@ class ShardedFusion:
         self.stepped.update(id(p) for p in with_grads)
         self._import_state()
         self.shard_fusion.planner.first_steps_taken([s for p, s in zip(self.params, self.stand_ins) if id(p) in self.stepped])
-        self.last_step_whole = True
         mark_step_taken(optimizer)
 
     def remove(self) -> None:
@@ -295,15 +292,10 @@ def _compact_state(optimizer, state_dict):
 
     for entry in state_dict["state"].values():
         for key, value in entry.items():
-            if compat_is_dtensor(value):
+            if is_sharded(value):
                 local = compat.local_shard(value)
                 if local.untyped_storage().nbytes() != local.numel() * local.element_size():
                     entry[key] = DTensor.from_local(local.clone(), value.device_mesh, value.placements,
                                                     run_check=False, shape=value.shape, stride=value.stride())
     return state_dict
 
-
-def compat_is_dtensor(value: Any) -> bool:
-    from .fused_optimizer import is_sharded
-
-    return isinstance(value, torch.Tensor) and is_sharded(value)

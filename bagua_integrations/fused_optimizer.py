@@ -26,7 +26,7 @@ import torch
 from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason
 from ._late_reductions import RAISED, DryRun, LateReduction
 from ._per_tensor import Bookkeeping, PerTensorSteps
-from ._layout import DTensor, FlatLayout, FusionConfig
+from ._layout import FlatLayout, FusionConfig, is_sharded
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
 from ._planner import Run, StepPlan, StepPlanner
 from ._probe import _PROBE_STEPS, probe_per_tensor_calls
@@ -649,7 +649,8 @@ def fuse_optimizer(
 
     Over FSDP2's sharded parameters (DTensors, after ``fully_shard``) each rank fuses the shards it
     holds; reductions over a whole parameter combine every rank's partial values (one all-reduce per
-    reduction for all parameters), and the first step is the optimizer's own DTensor step.
+    reduction for all parameters). A first step the probes did not find exact on flat runs is the
+    optimizer's own DTensor step.
 
     Args:
         do_flatten: move parameters into new flat buffers. With ``False`` parameters stay where
@@ -722,8 +723,6 @@ def fuse_optimizer(
     return optimizer
 
 
-
-
 @dataclass(frozen=True)
 class FlatSegment:
     """One flat buffer of a fused optimizer, as the distributed code sees it.
@@ -750,11 +749,6 @@ def flat_grad_segments(optimizer) -> List[FlatSegment]:
         FlatSegment(buffer.grad, tuple(s.param for s in buffer.slots), tuple(s.start for s in buffer.slots))
         for buffer in layout.buffers()
     ]
-
-
-def is_sharded(tensor: torch.Tensor) -> bool:
-    """A DTensor (FSDP2's ``fully_shard``, tensor parallelism): this rank holds part of it."""
-    return DTensor is not None and isinstance(tensor, DTensor)
 
 
 def unfuse(optimizer) -> torch.optim.Optimizer:

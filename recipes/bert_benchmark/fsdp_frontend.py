@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .hf_frontend import HFPlan, build_optimizer
-from .results import RowResult, median
+from .results import RowResult
 from .rows import Row
 
 __all__ = ["run_fsdp"]
@@ -129,9 +129,10 @@ def run_row(plan: HFPlan, row: Row) -> RowResult:
             started = time.perf_counter()
             optimizer.step()
             now = time.perf_counter()
-            compile_s = getattr(report(), "compile_seconds", 0.0) - compile_before
-            if report() is not None:
-                compiled_steps.append(bool(report().compiled))
+            after = report()
+            compile_s = getattr(after, "compile_seconds", 0.0) - compile_before
+            if after is not None:
+                compiled_steps.append(bool(after.compiled))
             if scheduler is not None:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -146,30 +147,9 @@ def run_row(plan: HFPlan, row: Row) -> RowResult:
             epochs.append(record)
     result.accuracy = _accuracy(model, valid_ds, preset.batch_size * 2, device)
 
-    steps = sum(e["steps"] for e in epochs)
-    seconds = sum(e["seconds"] for e in epochs)
-    optimizer_s = sum(e["optimizer_s"] for e in epochs)
-    epoch_times = [e["seconds"] * full / e["steps"] for e in epochs]
-    result.epoch_times_s = [round(t, 3) for t in epoch_times]
-    result.epoch_time_s = sum(epoch_times) / len(epoch_times) if epoch_times else None
-    result.epochs_measured = steps / full
-    result.extrapolated = any(e["steps"] < full for e in epochs)
-    result.steps = steps
-    result.step_ms = seconds / steps * 1e3 if steps else None
-    result.optimizer_step_ms = optimizer_s / steps * 1e3 if steps else None
-    result.optimizer_share = optimizer_s / seconds if seconds else None
-    updates = [u for e in epochs for u in e["updates"]]
-    optimizers = [o for e in epochs for o in e["optimizers"]]
-    result.median_update_ms = median(updates) * 1e3 if updates else None
-    result.median_optimizer_ms = median(optimizers) * 1e3 if optimizers else None
-    final = report()
-    if final is not None:
-        result.compiled = bool(final.compiled)
-        result.compile_s = round(final.compile_seconds, 3)
-        result.fused = f"{final.fused_params} / {final.flat_runs}"
-        result.group_paths = list(final.group_paths)
-        later = compiled_steps[1:]
-        result.compiled_share = round(sum(later) / len(later), 4) if later else None
+    result.record_epochs(epochs, full)
+    if fused:
+        result.record_fusion(report(), compiled_steps)
     result.extra["world_size"] = dist.get_world_size()
     optimizer = model = scheduler = None  # (freed before the next row builds its model)
     gc.collect()

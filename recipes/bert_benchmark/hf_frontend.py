@@ -35,7 +35,7 @@ from bagua_integrations.optim import BertAdam, QAdam  # noqa: E402
 
 from .data import Example, WordTokenizer  # noqa: E402
 from .presets import Preset  # noqa: E402
-from .results import RowResult, median  # noqa: E402
+from .results import RowResult  # noqa: E402
 from .rows import Row  # noqa: E402
 
 __all__ = ["HFPlan", "run_hf", "build_optimizer", "StepTimer"]
@@ -330,34 +330,10 @@ def run_row(plan: HFPlan, row: Row) -> RowResult:
     logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
     accuracy = float((logits.argmax(-1) == prediction.label_ids).mean())
 
-    full = plan.steps_per_epoch()
-    epoch_times = [e["seconds"] * full / e["steps"] for e in timer.epochs]  # per full epoch
-    steps = sum(e["steps"] for e in timer.epochs)
-    seconds = sum(e["seconds"] for e in timer.epochs)
-    optimizer_s = sum(e["optimizer_s"] for e in timer.epochs)
-    result.epoch_times_s = [round(t, 3) for t in epoch_times]
-    result.epoch_time_s = sum(epoch_times) / len(epoch_times) if epoch_times else None
-    result.epochs_measured = steps / full
-    result.extrapolated = any(e["steps"] < full for e in timer.epochs)
-    result.steps = steps
-    result.step_ms = seconds / steps * 1e3 if steps else None
-    result.optimizer_step_ms = optimizer_s / steps * 1e3 if steps else None
-    result.optimizer_share = optimizer_s / seconds if seconds else None
-    updates = [u for e in timer.epochs for u in e["updates"]]
-    optimizers = [o for e in timer.epochs for o in e["optimizers"]]
-    result.median_update_ms = median(updates) * 1e3 if updates else None
-    result.median_optimizer_ms = median(optimizers) * 1e3 if optimizers else None
+    result.record_epochs(timer.epochs, plan.steps_per_epoch())
     result.accuracy = accuracy
     if is_fused_optimizer(optimizer):
-        report = fusion_report(optimizer)
-        result.compiled = bool(report.compiled)
-        result.compile_s = round(report.compile_seconds, 3)
-        result.fused = f"{report.fused_params} / {report.flat_runs}"
-        result.group_paths = list(report.group_paths)
-        later = timer.compiled_steps[1:]  # the first update creates the state and never compiles
-        result.compiled_share = round(sum(later) / len(later), 4) if later else None
-        if report.compile_disabled_reason:
-            result.extra["compile_disabled_reason"] = report.compile_disabled_reason
+        result.record_fusion(fusion_report(optimizer), timer.compiled_steps)
     result.extra["train_loss"] = trainer.state.log_history[-1].get("train_loss") if trainer.state.log_history else None
     del trainer, optimizer, model, timer
     gc.collect()

@@ -56,6 +56,38 @@ class RowResult:
     def to_dict(self) -> Dict:
         return asdict(self)
 
+    def record_epochs(self, epochs: List[Dict], steps_per_epoch: int) -> None:
+        """The time fields from a front end's per-epoch records, each ``{"seconds", "steps", "optimizer_s",
+        "updates", "optimizers"}`` with compile time already taken out; a partial epoch is scaled to a full one."""
+        epoch_times = [e["seconds"] * steps_per_epoch / e["steps"] for e in epochs]  # per full epoch
+        steps = sum(e["steps"] for e in epochs)
+        seconds = sum(e["seconds"] for e in epochs)
+        optimizer_s = sum(e["optimizer_s"] for e in epochs)
+        self.epoch_times_s = [round(t, 3) for t in epoch_times]
+        self.epoch_time_s = sum(epoch_times) / len(epoch_times) if epoch_times else None
+        self.epochs_measured = steps / steps_per_epoch
+        self.extrapolated = any(e["steps"] < steps_per_epoch for e in epochs)
+        self.steps = steps
+        self.step_ms = seconds / steps * 1e3 if steps else None
+        self.optimizer_step_ms = optimizer_s / steps * 1e3 if steps else None
+        self.optimizer_share = optimizer_s / seconds if seconds else None
+        updates = [u for e in epochs for u in e["updates"]]
+        optimizers = [o for e in epochs for o in e["optimizers"]]
+        self.median_update_ms = median(updates) * 1e3 if updates else None
+        self.median_optimizer_ms = median(optimizers) * 1e3 if optimizers else None
+
+    def record_fusion(self, report, compiled_steps: List[bool]) -> None:
+        """What a fused optimizer ran as, from its ``fusion_report`` after training and whether each
+        update's step ran compiled (the first update creates the state and never compiles)."""
+        self.compiled = bool(report.compiled)
+        self.compile_s = round(report.compile_seconds, 3)
+        self.fused = f"{report.fused_params} / {report.flat_runs}"
+        self.group_paths = list(report.group_paths)
+        later = compiled_steps[1:]
+        self.compiled_share = round(sum(later) / len(later), 4) if later else None
+        if report.compile_disabled_reason:
+            self.extra["compile_disabled_reason"] = report.compile_disabled_reason
+
     def fused_step(self) -> str:
         """What the fused step ran as, from the fusion report: e.g. ``"segmented, eager"`` ("-": not fused)."""
         if self.fuse is None and self.compiled is None:
