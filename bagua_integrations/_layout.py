@@ -133,6 +133,9 @@ class GroupLayout:
         self.why: Dict[str, str] = {}  # path -> why the group (on some device) takes it
         # over shards: segmented, its first step found exact on runs (_paths.GroupPath.first_step_on_runs)
         self.first_step_on_runs = False
+        # segmented: its step reduces over every parameter of a list over runs (_paths.GroupPath.across_runs)
+        self.across_runs: Tuple[str, ...] = ()
+        self.lone_lists_over_runs = False  # segmented: _paths.GroupPath.lone_lists_over_runs
 
     @property
     def path_why(self) -> str:
@@ -280,6 +283,8 @@ class FlatLayout:
                     continue
                 layout.segmented = True
                 layout.first_step_on_runs = path.first_step_on_runs
+                layout.across_runs = path.across_runs
+                layout.lone_lists_over_runs = path.lone_lists_over_runs
             if reason is None and not self.config.do_flatten and not FlatBuffer.adoptable(members):
                 reason = "do_flatten=False and its parameters are not already contiguous in memory"
             if reason is not None:

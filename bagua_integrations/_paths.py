@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ._probe import probe_elementwise, probe_segmented
+from ._segmented import StepNotes
 
 ELEMENTWISE, SEGMENTED, PER_TENSOR = "elementwise", "segmented", "per-tensor"
 
@@ -38,6 +39,12 @@ class GroupPath:
     mixing: Tuple[Tuple[str, int], ...] = ()
     # segmented, over shards: its first step (lazy state) was found exact on runs too
     first_step_on_runs: bool = False
+    # segmented: reductions over every parameter of a list over runs (a global norm) that the
+    # probe found exact; such a step is exact only over all its parameters at once (one call)
+    across_runs: Tuple[str, ...] = ()
+    # segmented: a Python list of one run's per-parameter values, stacked, is a list over runs (the
+    # group's list, when the group has one run), not the run's values per parameter (SegmentedMode)
+    lone_lists_over_runs: bool = False
 
     @property
     def refusal(self) -> Optional[str]:
@@ -121,7 +128,7 @@ class PathChooser:
             return self.choose(group, device)
         probed = self._probe(group, device, template)
         return GroupPath(probed.path, f"probed again with its state after its step {because}: {probed.why}",
-                         probed.mixing)
+                         probed.mixing, probed.first_step_on_runs, probed.across_runs, probed.lone_lists_over_runs)
 
     def remember(self, group: Dict[str, Any], device: torch.device, path: GroupPath) -> None:
         """Make ``path`` the group's path under its current settings (laying it out again takes it)."""
@@ -136,11 +143,29 @@ class PathChooser:
         elif not_elementwise is None:
             return GroupPath(ELEMENTWISE, "its step is elementwise (checked against per-tensor steps on synthetic tensors)",
                              tuple(sorted(mixing.items())))
-        not_segmented = probe_segmented(self.optimizer, group, device, template, known_reductions_only=self.sharded)
+        notes = StepNotes()
+        not_segmented = probe_segmented(self.optimizer, group, device, template, known_reductions_only=self.sharded,
+                                        notes=notes)
+        lone = False
+        if not_segmented is None and notes.python_lists_over_runs:
+            # It stacks Python lists over runs. In a group of one run such a list holds one run: is it
+            # the group's list (AvaGrad) or one run's own values (clip_grad_norm_(p))? Where the
+            # step on several runs stacked no list of one, the former; otherwise probed on one run.
+            lone = not notes.lone_lists or probe_segmented(
+                self.optimizer, group, device, template, self.sharded, ranks=(1,)) is not None
+            if lone:
+                not_segmented = probe_segmented(
+                    self.optimizer, group, device, template, self.sharded, ranks=(1,), lone_lists_over_runs=True
+                ) or (notes.lone_lists and probe_segmented(self.optimizer, group, device, template, self.sharded,
+                                                           lone_lists_over_runs=True)) or None
+                if not_segmented is not None:
+                    not_segmented = f"on a group of one run: {not_segmented}"
         if not_segmented is None:
             first_on_runs = self.sharded and probe_segmented(
-                self.optimizer, group, device, template, known_reductions_only=True, first_step_on_runs=True) is None
+                self.optimizer, group, device, template, known_reductions_only=True, first_step_on_runs=True,
+                lone_lists_over_runs=lone) is None
             return GroupPath(SEGMENTED, f"not elementwise ({not_elementwise}); elementwise apart from reductions "
                                         "over whole parameters, which are computed per parameter",
-                             first_step_on_runs=first_on_runs)
+                             first_step_on_runs=first_on_runs, across_runs=tuple(sorted(notes.across_runs)),
+                             lone_lists_over_runs=lone)
         return GroupPath(PER_TENSOR, f"{not_elementwise}; with per-parameter reductions: {not_segmented}")

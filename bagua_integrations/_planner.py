@@ -31,6 +31,7 @@ import torch
 
 from ._flat import FlatBuffer, Slot, shard_of
 from ._layout import FlatLayout
+from ._probe import probe_empty_group
 from ._segmented import Segmentation, run_shape, state_kind
 from ._torch_compat import tensor_versions
 from .errors import FusionError
@@ -42,6 +43,8 @@ UNFUSABLE_STATE = object()
 # shaped per parameter, so that step runs per tensor (no warning).
 FIRST_STEP = object()
 _MISSING = object()  # a key no longer in a state entry
+# Tags (segment_scalar_shape) for runs of equal segment count; beyond it runs share one and go in calls of their own.
+_MAX_TAG = 8
 
 
 @dataclass
@@ -78,8 +81,8 @@ class StepPlan:
     runs: List[Run]
     per_tensor: List[torch.Tensor]  # real parameters among group_params
     # Segmented runs go in calls of their own when two of them could be told apart only by
-    # their place in the step (equal length or equal segment count): per call, the params per
-    # group and the segmentations. Usually one call.
+    # their place in the step (equal shape, or segment scalars of equal shape: see
+    # ``segment_scalar_shape``): per call, the params per group and the segmentations. Usually one call.
     segmented_calls: List[Tuple[List[List[torch.Tensor]], List[Segmentation]]] = field(default_factory=list)
 
     def swapped_state(self, state) -> Dict[torch.Tensor, Dict[str, Any]]:
@@ -224,6 +227,7 @@ class StepPlanner:
         # _put): write_back() then compares the state with the watch instead of only re-reading
         # the versions of the step counts, which is all a usual step changes.
         self._state_written = True
+        self._empty_group_reason: Any = _MISSING  # probe_empty_group's answer, once it is needed
 
     def first_steps_taken(self, params) -> None:
         """``params`` took their first step elsewhere (over FSDP2 shards: as DTensors); a stateless
@@ -295,8 +299,10 @@ class StepPlanner:
             group = self.layout.groups[index]
             params: List[torch.Tensor] = list(group.per_tensor)
             plan.per_tensor.extend(group.per_tensor)
+            # segmented runs span whole buffers: a run cut in two would be a call more (equal lengths)
+            cap = float("inf") if group.segmented else run_cap
             for buffer in group.buffers:
-                for first, last in self._runs(buffer, run_cap, params, plan.per_tensor):
+                for first, last in self._runs(buffer, cap, params, plan.per_tensor):
                     run = self._make_run(buffer, first, last, group.segmented)
                     plan.runs.append(run)
                     if run.segmentation is None:
@@ -304,13 +310,55 @@ class StepPlanner:
                     else:
                         self._add_segmented_call(plan, groups, index, run)
             plan.group_params.append(params)
+        why = self._not_splittable(plan)
+        return self._unfused_plan(why) if why else plan
+
+    def _not_splittable(self, plan: StepPlan) -> Optional[str]:
+        """Why ``plan``'s several calls of the optimizer's step would not make its one step exactly
+        (None: they would, or it has one call). A step reducing over every parameter of a list over
+        runs (``_paths.GroupPath.across_runs``: a global norm) would reduce over each call's part;
+        a step that fails on a group without gradients fails on the calls that hold none of a group's."""
+        if not plan.segmented_calls or (len(plan.segmented_calls) == 1 and not any(plan.group_params)):
+            return None
+        across = sorted({name for group in self.layout.groups.values() for name in group.across_runs})
+        if across:
+            return f"its step reduces over all of its parameters at once ({', '.join(across)})"
+        if self._empty_group_reason is _MISSING:
+            group = self.optimizer.param_groups[0]
+            device = next((p.device for g in self.optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+            self._empty_group_reason = probe_empty_group(self.optimizer, group, device)
+        return self._empty_group_reason
+
+    def _unfused_plan(self, why: str) -> StepPlan:
+        """This step as the optimizer's own step over its own parameters (views of the flat buffers).
+
+        A segmented step that reduces over every parameter of a list over runs (a global norm) is
+        exact only when one call of it holds every parameter; a step split over several calls
+        (runs told apart only by their place, parameters stepped on their own this step) would
+        reduce over each call's part: silently wrong. Taken unfused, it stays exact."""
+        self.layout.warn_once(
+            "unsplittable",
+            f"{type(self.optimizer).__name__}: this step's parameters do not fit one call of its step (two "
+            "segmented runs of equal shape, or parameters stepped on their own this step), and split over "
+            f"several calls it would not be exact: {why}. The step is taken unfused, per parameter",
+            stacklevel=5,  # _unfused_plan <- plan <- Fusion.step <- hooked step <- user
+        )
+        plan = StepPlan([], [], [])
+        for index, group in enumerate(self.optimizer.param_groups):
+            plan.group_params.append(list(group["params"]))
+            plan.per_tensor.extend(group["params"])
+            for slot in self.layout.groups[index].slots():
+                if slot.param.grad is not None and slot.token is FIRST_STEP:
+                    self._first_stepped.add(id(slot))
+                    self.tokens_stale = True
+        self._state_written = True  # the optimizer steps each parameter's own state entry
         return plan
 
     @staticmethod
     def _add_segmented_call(plan: StepPlan, groups: int, index: int, run: Run) -> None:
         seg = run.segmentation
         for params, segs in plan.segmented_calls:
-            if all(s.shape != seg.shape and s.segments != seg.segments for s in segs):
+            if all(s.shape != seg.shape and s.scalar_shape != seg.scalar_shape for s in segs):
                 break
         else:
             params, segs = [[] for _ in range(groups)], []
@@ -384,7 +432,9 @@ class StepPlanner:
         if seg is None:
             group = self.layout.config.shard_group
             numels = [shard_of(slot.param).numel for slot in slots] if group is not None else None
-            seg = self._segmentations[(shape, tuple(pieces))] = Segmentation(shape, pieces, group, numels)
+            # runs of equal segment count get different tags, so that one call can hold them all
+            tag = min(sum(1 for known in self._segmentations.values() if known.segments == len(pieces)), _MAX_TAG)
+            seg = self._segmentations[(shape, tuple(pieces))] = Segmentation(shape, pieces, group, numels, tag)
         run = Run(buffer, first, last, proxy, segmentation=seg)
         for key, value in state.get(slots[0].param, {}).items():
             kind = state_kind(value, slots[0].param.shape)  # the signature made it equal across the run

@@ -15,14 +15,14 @@ import inspect
 from collections import defaultdict
 from contextlib import contextmanager
 from collections import Counter
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ._late_reductions import _SIZE_READS, watched
 from ._optimizer_copy import optimizer_like
-from ._segmented import Segmentation, SegmentedMode, run_shape, segment_views, state_kind
+from ._segmented import StepNotes, Segmentation, SegmentedMode, run_shape, segment_views, state_kind
 from ._torch_compat import tensor_version
 from .errors import FusionError
 
@@ -357,6 +357,7 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat) -> Optional[str]:
 def probe_segmented(
     optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device,
     template: Optional[torch.Tensor] = None, known_reductions_only: bool = False, first_step_on_runs: bool = False,
+    notes: Optional[StepNotes] = None, lone_lists_over_runs: bool = False, ranks: Optional[Tuple[int, ...]] = None,
 ) -> Optional[str]:
     """Return ``None`` if ``optimizer``'s step is exact on segmented runs (``_segmented.py``), else why not.
 
@@ -374,6 +375,9 @@ def probe_segmented(
     """
     generator = torch.Generator().manual_seed(1234)
     init, grads = _synthetic(device, torch.float32, generator)
+    if ranks is not None:
+        keep = [i for i, t in enumerate(init) if t.dim() in ranks]
+        init, grads = [init[i] for i in keep], [[g[i] for i in keep] for g in grads]
     per_tensor = [torch.nn.Parameter(t.clone()) for t in init]
     runs = []  # (proxy, segmentation, indices into the synthetic tensors)
     for rank in sorted({t.dim() for t in init}):
@@ -423,7 +427,8 @@ def probe_segmented(
                     for (start, end, _), i in zip(seg.pieces, indices):
                         flat_grad[start:end] = step_grads[i].reshape(-1)
                     proxy.grad = flat_grad.view(seg.shape)
-                with SegmentedMode([seg for _, seg, _ in runs], known_reductions_only=known_reductions_only):
+                with SegmentedMode([seg for _, seg, _ in runs], known_reductions_only=known_reductions_only,
+                                   lone_lists_over_runs=lone_lists_over_runs, notes=notes):
                     closure.step(step, opt_b, n)
         except Exception as exc:  # NotSegmentable, or anything else: the probe reports
             return f"its step raised {type(exc).__name__} on segmented synthetic tensors ({exc})"
@@ -497,6 +502,25 @@ def _compare_segmented(opt_a, per_tensor, opt_b, runs) -> Optional[str]:
                             return reason
                     elif want != have:
                         return f"its state '{key}' differs per tensor ({want}) and segmented ({have})"
+    return None
+
+
+@_keeps_rng
+def probe_empty_group(optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device) -> Optional[str]:
+    """Return ``None`` if ``optimizer``'s step runs with a group none of whose parameters has a
+    gradient, else why not. A fused step split over several calls of the optimizer's step (runs
+    that only their place tells apart) hands each call some groups without a parameter; a step
+    written with ``torch.stack`` over the group's gradients fails there (as it would unfused on a
+    group whose parameters all lack gradients)."""
+    try:
+        clone = _probe_clone(optimizer, group, [torch.nn.Parameter(torch.ones(3, device=device))])
+    except ProbeCopyError as exc:
+        return f"it cannot be copied to be probed ({exc})"
+    with _untouched(optimizer):
+        try:
+            _Closure().step(type(optimizer).step, clone, 0)
+        except Exception as exc:
+            return f"its step fails on a group whose parameters have no gradient ({type(exc).__name__}: {exc})"
     return None
 
 

@@ -12,7 +12,8 @@ run of many parameters, provided every reduction is computed per parameter. That
   branches take the same way as for each parameter.
 * **segment scalar** -- what a reduction of a whole parameter gives: one value per segment,
   held as a tensor of shape ``(S, 1, 1, 1, 1)`` (``S`` segments; the extra dimensions keep it
-  apart from every proxy). Elementwise arithmetic on segment scalars stays one value per
+  apart from every proxy; two runs of one call with equal ``S`` differ in its rank, see
+  :func:`segment_scalar_shape`). Elementwise arithmetic on segment scalars stays one value per
   segment; combined with a run-shaped tensor, each value is expanded over its segment first.
 * A **reduction** is any call that turns a run-shaped tensor into one value (a norm, a sum,
   ``max``, ``clip_grad_norm_``'s internals, ...): it is re-run on each segment's view, shaped
@@ -38,7 +39,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Segmentation", "SegmentedMode", "NotSegmentable", "segment_views", "MAX_RANK", "segment_scalar_shape",
+__all__ = ["Segmentation", "SegmentedMode", "StepNotes", "NotSegmentable", "segment_views", "MAX_RANK", "segment_scalar_shape",
            "state_kind"]
 
 MAX_RANK = 4  # proxies have rank 1..4; a segment scalar has rank 5, so the two never collide
@@ -54,6 +55,8 @@ _WHOLE_REDUCTIONS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, to
                      torch.Tensor.mean, torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.max,
                      torch.Tensor.max, torch.min, torch.Tensor.min, torch.dot, torch.Tensor.dot}
 _FOREACH_IN_PLACE = {f for f, base in _FOREACH.items() if base.endswith("_")}
+_STACKS = {torch.stack, torch.cat, torch.concat, torch.concatenate}
+_SIZE_READS = {torch.Tensor.numel, torch.Tensor.nelement, torch.numel}
 # Shape-only functions: on one value per parameter, the per-parameter result is that one value again.
 _RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.squeeze, torch.squeeze,
              torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.flatten, torch.flatten, torch.Tensor.ravel,
@@ -62,12 +65,29 @@ _IN_PLACE = {getattr(torch.Tensor, n) for n in dir(torch.Tensor)
              if (n.endswith("_") and not n.startswith("__")) or n.startswith("__i")}
 
 
+@dataclass
+class StepNotes:
+    """What a segmented step did that decides where it may run (filled in by :class:`SegmentedMode`)."""
+
+    # reductions over every parameter of a list over runs (a global norm): exact only when one call
+    # of the step holds every parameter it reduces over
+    across_runs: set = field(default_factory=set)
+    # it stacked a Python list of two runs or more as a list over runs (so a lone list may be one)
+    python_lists_over_runs: bool = False
+    # it stacked a Python list of one run's per-parameter values (taken as that run's own values
+    # unless ``lone_lists_over_runs``)
+    lone_lists: bool = False
+
+
 class NotSegmentable(RuntimeError):
     """The optimizer's step does something a segmented run cannot reproduce per parameter."""
 
 
-def segment_scalar_shape(segments: int) -> Tuple[int, ...]:
-    return (segments,) + _SCALAR_TRAILING
+def segment_scalar_shape(segments: int, tag: int = 0) -> Tuple[int, ...]:
+    """One value per segment, kept apart from every run (rank <= ``MAX_RANK``) and every list over
+    runs (rank ``MAX_RANK + 2``): rank ``MAX_RANK + 1 + 2 * tag``, so that runs of equal segment
+    count, given different tags, are told apart in one call too."""
+    return (segments,) + _SCALAR_TRAILING + (1,) * (2 * tag)
 
 
 def state_kind(value: Any, param_shape: torch.Size) -> str:
@@ -107,6 +127,9 @@ class Segmentation:
     # every rank's partial values over this process group, and a mean divides by ``numels``.
     shard_group: Any = None
     shard_numels: Optional[List[int]] = None
+    # Tells this run's segment scalars apart from those of another run of equal segment count
+    # stepped in the same call (see ``segment_scalar_shape``; the planner picks it).
+    tag: int = 0
 
     def __post_init__(self):
         self.key = f"segmentation{next(_KEYS)}"
@@ -121,8 +144,13 @@ class Segmentation:
         return self.shape[-1]
 
     @property
+    def numel(self) -> int:
+        """Elements of its parameters, the padding's not counted (whole parameters' over shards)."""
+        return sum(self.shard_numels) if self.shard_numels is not None else sum(e - b for b, e, _ in self.pieces)
+
+    @property
     def scalar_shape(self) -> Tuple[int, ...]:
-        return segment_scalar_shape(self.segments)
+        return segment_scalar_shape(self.segments, self.tag)
 
     def expand(self, scalars: torch.Tensor) -> torch.Tensor:
         """A run-shaped tensor holding each segment's value over its segment (1 in the padding).
@@ -351,6 +379,33 @@ class _Stacked:
         return torch.cat([row.reshape(-1) for row in self.rows(t)])
 
 
+class RunCount(int):
+    """``p.numel()`` of a run: its parameters' elements (never the padding's).
+
+    Summed (``sum(p.numel() for p in params)``: Adai's and AvaGrad's means over a group) it is the
+    count the per-tensor step sums, and the sum is a plain ``int``. Compared as it is
+    (``p.numel() >= 4096``, ``if p.numel() == 1:``), it would be one run's count where the per-tensor
+    step compares each parameter's: a branch per parameter, which a run cannot take (refused).
+    Other arithmetic on it (an RMS over ``sqrt(p.numel())``) changes the numbers, which the probes see."""
+
+    def __add__(self, other):
+        return int(self) + other if isinstance(other, int) else NotImplemented
+
+    __radd__ = __add__
+
+    def _branch(self, *args):
+        raise NotSegmentable("the step compares a parameter's count of elements (numel), a branch per parameter")
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _branch
+    __hash__ = int.__hash__
+
+
+def _one_value_run(kind: str, seg: Optional[Segmentation]) -> bool:
+    """A run of one one-element parameter (a ``(1,)`` scale): its state of shape ``(1,)`` is both
+    shaped like it and its one value, as a list over runs takes it."""
+    return kind == "run" and seg.length == 1 and seg.segments == 1
+
+
 def _name(func) -> str:
     return getattr(func, "__name__", None) or repr(func)
 
@@ -358,10 +413,19 @@ def _name(func) -> str:
 class SegmentedMode(TorchFunctionMode):
     """Run an optimizer's ``step`` on segmented runs, computing every whole-parameter reduction per parameter."""
 
-    def __init__(self, segmentations: Iterable[Segmentation], known_reductions_only: bool = False):
+    def __init__(self, segmentations: Iterable[Segmentation], known_reductions_only: bool = False,
+                 lone_lists_over_runs: bool = False, notes: Optional[StepNotes] = None):
         """``known_reductions_only``: compute every reduction from block partials, as a compiled
-        step does, and refuse any other (implied for shards: only those partials combine across ranks)."""
+        step does, and refuse any other (implied for shards: only those partials combine across ranks).
+
+        ``lone_lists_over_runs``: ``torch.stack``/``torch.cat`` of a Python list holding one run's
+        per-parameter values is a list over runs (the group's list of one run: AvaGrad's
+        ``stack([norm(r) for r in roots])``), not that run's values stacked per parameter (what
+        ``clip_grad_norm_(p)`` builds for one parameter). A list of two runs or more is always
+        a list over runs. Which one a lone list is, the probes find out (``_paths``)."""
         super().__init__()
+        self.lone_lists_over_runs = lone_lists_over_runs
+        self.notes = notes if notes is not None else StepNotes()
         segmentations = list(segmentations)
         self.known_reductions_only = known_reductions_only or any(s.shard_group is not None for s in segmentations)
         self.by_shape: Dict[Tuple[int, ...], Segmentation] = {}
@@ -369,7 +433,7 @@ class SegmentedMode(TorchFunctionMode):
         self.by_stack_shape: Dict[Tuple[int, ...], _Stacked] = {}
         for seg in segmentations:
             if seg.shape in self.by_shape or seg.scalar_shape in self.by_scalar_shape:
-                raise ValueError("two runs of one segmented step must differ in length and in segment count")
+                raise ValueError("two runs of one segmented step must differ in shape and in segment scalar shape")
             self.by_shape[seg.shape] = seg
             self.by_scalar_shape[seg.scalar_shape] = seg
 
@@ -409,8 +473,14 @@ class SegmentedMode(TorchFunctionMode):
             return self._foreach(func, _FOREACH[func], args, kwargs)
         if stacks:
             raise NotSegmentable(f"{_name(func)} mixes values of a list over runs with a run")
-        if func is torch.stack and isinstance(args[0] if args else kwargs.get("tensors"), RunValues):
+        if func in _STACKS and self._is_list_over_runs(args[0] if args else kwargs.get("tensors")):
             return self._stack_runs(args, kwargs)
+        if func in _SIZE_READS and args and isinstance(args[0], torch.Tensor) and kinds == {"run"}:
+            # a count of elements: the parameters' (never the padding's), as summed over a group
+            # (Adai's and AvaGrad's means over all parameters); a count used per parameter
+            # differs from the per-tensor step, which the probes see
+            (seg,) = segs.values()
+            return RunCount(seg.numel)
         if len(segs) > 1:
             raise NotSegmentable(f"{_name(func)} mixes tensors of two different runs")
         (seg,) = segs.values()
@@ -425,9 +495,14 @@ class SegmentedMode(TorchFunctionMode):
 
     # ------------------------------------------------------------------ run-shaped inputs
     def _on_runs(self, func, seg: Segmentation, args, kwargs):
-        if "out" in kwargs or (func in _IN_PLACE and args and isinstance(args[0], torch.Tensor)
-                               and tuple(args[0].shape) == seg.scalar_shape):
+        out = kwargs.get("out")
+        if (out is not None and not (isinstance(out, torch.Tensor) and tuple(out.shape) == seg.shape)) or (
+                func in _IN_PLACE and args and isinstance(args[0], torch.Tensor) and tuple(args[0].shape) == seg.scalar_shape):
             raise NotSegmentable(f"{_name(func)} writes run-shaped values into a per-parameter value")
+        if func in (torch.aminmax, torch.Tensor.aminmax) and len(args) == 1 and not kwargs:
+            # both extremes of the whole parameter (ROSE's gradient range): two reductions
+            return torch.return_types.aminmax((self._per_segment(torch.amin, seg, args, {}),
+                                               self._per_segment(torch.amax, seg, args, {})))
         if func in _WHOLE_REDUCTIONS and not ({"dim", "axis"} & set(kwargs)) and all(
             not isinstance(a, int) or func in (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm) for a in args[1:]
         ):
@@ -542,6 +617,24 @@ class SegmentedMode(TorchFunctionMode):
         return None if func in _FOREACH_IN_PLACE else results
 
     # ------------------------------------------------------------------ lists over runs
+    def _is_list_over_runs(self, values) -> bool:
+        """``values`` (stacked or concatenated) is a list over runs: a ``_foreach_*`` result, or a
+        Python list of per-parameter values of distinct runs (two or more, or one where lone lists
+        are lists over runs)."""
+        if isinstance(values, RunValues):
+            return True
+        if not isinstance(values, (list, tuple)) or not values or not all(isinstance(v, torch.Tensor) for v in values):
+            return False
+        kinds = [self._kind(v) for v in values]
+        if any(kind != "scalar" and not _one_value_run(kind, seg) for kind, seg in kinds) or len(
+                {id(seg) for _, seg in kinds}) < len(values):
+            return False
+        if len(values) == 1:
+            self.notes.lone_lists = True
+            return self.lone_lists_over_runs
+        self.notes.python_lists_over_runs = True
+        return True
+
     def _stack_runs(self, args, kwargs):
         """``torch.stack`` of a ``_foreach_*`` result: a list over the call's runs, each holding
         one value per parameter (its segment scalar). Kept as a ``(K, max S, 1, 1, 1, 1)``
@@ -554,11 +647,11 @@ class SegmentedMode(TorchFunctionMode):
         segs = []
         for value in values:
             kind, seg = self._kind(value) if isinstance(value, torch.Tensor) else ("plain", None)
-            if kind != "scalar":
+            if kind != "scalar" and not _one_value_run(kind, seg):
                 raise NotSegmentable("stack of a list over runs that holds other values than one per parameter")
             segs.append(seg)
         width = max(seg.segments for seg in segs)
-        shape = (len(segs), width) + _SCALAR_TRAILING[:-1] + (1, 1)
+        shape = (len(segs), width) + _SCALAR_TRAILING  # rank MAX_RANK + 2: no run, no segment scalar
         known = self.by_stack_shape.get(shape)
         if known is not None and [id(s) for s in known.segs] != [id(s) for s in segs]:
             raise NotSegmentable("two different lists over runs of one shape")
@@ -579,6 +672,9 @@ class SegmentedMode(TorchFunctionMode):
                 return iter(stacked.rows(target))
             if func is torch.Tensor.__getitem__ and isinstance(args[1], int):
                 return stacked.rows(target)[args[1]]
+            if func in (torch.Tensor.split, torch.split) and (args[1:2] or [kwargs.get("split_size")])[0] == 1 and (
+                    (args[2:3] or [kwargs.get("dim", 0)])[0] == 0):
+                return tuple(stacked.rows(target))  # split(1): one run per piece, as unbind
             if func is torch.Tensor.__len__:
                 return len(stacked.segs)
         if func in _VALUE_READS:
@@ -595,6 +691,7 @@ class SegmentedMode(TorchFunctionMode):
                 isinstance(a, int) and not isinstance(a, bool) for a in args[1:2]
                 if func not in (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)):
             # over every parameter of every run: the valid entries of the list, in order
+            self.notes.across_runs.add(_name(func))
             return func(stacked.valid(target), *args[1:], **kwargs)
         raise NotSegmentable(f"{_name(func)} turns a list over runs into shape "
                              f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")

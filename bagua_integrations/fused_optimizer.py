@@ -586,7 +586,8 @@ class Fusion:
         key = tuple(seg.key for seg in segmentations)
         if key not in self.segmented:
             compiled = None if self.compiled_step is None or self._segmented_compile_refused() else CompiledStep()
-            mode = SegmentedMode(segmentations)
+            mode = SegmentedMode(segmentations, lone_lists_over_runs=any(
+                group.lone_lists_over_runs for group in self.layout.groups.values()))
             if compiled is not None:  # the compiled step's per-block index, built once per layout
                 for group in optimizer.param_groups:
                     for proxy in group["params"]:

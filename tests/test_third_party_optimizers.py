@@ -54,13 +54,15 @@ def test_pytorch_optimizer_collection_is_fused_exactly_or_runs_its_own_step(monk
     through_buffers = counts.get("elementwise", 0) + counts.get("segmented", 0)
     print(f"{through_buffers} of {runs} optimizers that run go through flat buffers")
     # a regression floor (pytorch-optimizer 4.1.0): a mechanism that breaks drops these counts
-    assert counts.get("segmented", 0) >= 11, counts
-    assert through_buffers >= 69, counts
+    assert counts.get("segmented", 0) >= 18, counts
+    assert through_buffers >= 76, counts
     assert not replans and len(dry_runs) >= 50, (replans, len(dry_runs))  # (fails with the probes' findings
     # not accepted: ASGD, DAdapt* and Prodigy are probed again, and DAdaptSGD's second group keeps its own step)
 
 
-@pytest.mark.parametrize("name", ["lamb", "lars", "novograd", "stableadamw"])
+@pytest.mark.parametrize("name", ["lamb", "lars", "novograd", "stableadamw",
+                                  # Python lists over runs, counts of elements, (1,)-shaped state
+                                  "avagrad", "adai", "adams", "adanorm", "a2grad", "adagc", "adamwsn"])
 def test_pytorch_optimizer_norm_based_optimizers_are_segmented(name):
     pytest.importorskip("pytorch_optimizer")
     from _optimizer_sweep import optimizer_classes, sweep_one
@@ -129,9 +131,9 @@ def _ranked_batches(steps):
     return [(torch.randn(5, 2, 4, generator=gen) * 4, torch.randn(5, 2, generator=gen)) for _ in range(steps)]
 
 
-def _ranked_run(make, fused, steps=8, closure=False, **fuse_kwargs):
+def _ranked_run(make, fused, steps=8, closure=False, model_arg=False, **fuse_kwargs):
     model = RankedNet()
-    opt = make(model.parameters())
+    opt = make(model) if model_arg else make(model.parameters())
     if fused:
         fuse_optimizer(opt, compile=False, **fuse_kwargs)
     step = opt.fuse_step if fused else opt.step
@@ -183,6 +185,232 @@ def test_unbound_list_over_runs_must_map_each_run_to_its_own_values(monkeypatch)
     monkeypatch.setattr(_segmented._Stacked, "rows", first_rows)
     with pytest.raises(NotElementwiseError, match="ForeachLamb"):
         fuse_optimizer(ForeachLamb(RankedNet().parameters()), compile=False, on_unsupported="raise")
+
+
+class TwoLinearNet(torch.nn.Module):
+    """Two weights and two biases: a 2-D run and a 1-D run of two segments each."""
+
+    def __init__(self, widths=(4, 3, 2)):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(widths[0], widths[1])
+        self.b = torch.nn.Linear(widths[1], widths[2])
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _two_linear_run(groups, fused, steps=6, widths=(4, 3, 2), make=None, **fuse_kwargs):
+    model = TwoLinearNet(widths)
+    opt = make(model) if make else ForeachLamb(groups(model), global_clip=0.05)
+    if fused:
+        fuse_optimizer(opt, compile=False, **fuse_kwargs)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x, y = torch.randn(5, widths[0], generator=gen), torch.randn(5, widths[2], generator=gen)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        (opt.fuse_step if fused else opt.step)()
+    return model, opt
+
+
+def test_runs_of_equal_segment_count_share_one_call_of_a_global_norm(monkeypatch):
+    """Two runs of two segments each: their segment scalars differ in rank (a tag), so one call of
+    the step holds both and the group's global norm covers all four parameters, fused."""
+    plain, _ = _two_linear_run(lambda m: m.parameters(), fused=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusionFallbackWarning)  # no step is taken unfused
+        fused, opt = _two_linear_run(lambda m: m.parameters(), fused=True)
+    assert fusion_report(opt).group_paths == ["segmented"]
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
+
+
+def test_runs_of_equal_segment_count_without_tags_go_in_calls_of_their_own(monkeypatch):
+    """Deliberately broken: no tags. The two runs then need a call each; the step is taken unfused."""
+    from bagua_integrations import _planner
+
+    monkeypatch.setattr(_planner, "_MAX_TAG", 0)
+    with pytest.warns(FusionFallbackWarning, match="unfused"):
+        _two_linear_run(lambda m: m.parameters(), fused=True)
+
+
+def _split_groups(m):
+    # group 1: a 2-D run and a 1-D run; group 2: a 2-D run of the shape of group 1's (so it cannot
+    # share group 1's call) and a 1-D run that can: group 2's step would span two calls
+    return [{"params": [m.a.weight, m.b.bias]}, {"params": [m.a.bias, m.b.weight]}]
+
+
+def test_a_global_norm_over_runs_split_over_calls_takes_its_step_unfused():
+    plain, _ = _two_linear_run(_split_groups, fused=False, widths=(4, 3, 4))
+    with pytest.warns(FusionFallbackWarning, match="reduces over all of its parameters at once.*taken unfused"):
+        fused, opt = _two_linear_run(_split_groups, fused=True, widths=(4, 3, 4))
+    assert fusion_report(opt).group_paths == ["segmented", "segmented"]
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
+
+
+def test_a_step_that_fails_on_a_group_without_gradients_is_not_split_over_calls():
+    """Without a global norm the split is exact, but ForeachLamb's ``torch.stack`` of no norms fails
+    on a call that holds none of a group's parameters: the step is taken unfused instead."""
+    make = lambda m: ForeachLamb(_split_groups(m))  # noqa: E731
+    plain, _ = _two_linear_run(_split_groups, fused=False, widths=(4, 3, 4), make=make)
+    with pytest.warns(FusionFallbackWarning, match="fails on a group whose parameters have no gradient"):
+        fused, _ = _two_linear_run(_split_groups, fused=True, widths=(4, 3, 4), make=make)
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
+
+
+def test_a_global_norm_split_over_calls_must_not_be_fused(monkeypatch):
+    """Deliberately broken: the split step fused anyway. Each call's global norm covers its own
+    runs only, and the parameters differ from the unfused run (silently, without the check)."""
+    from bagua_integrations import _planner
+
+    monkeypatch.setattr(_planner.StepPlanner, "_not_splittable", lambda self, plan: None)
+    plain, _ = _two_linear_run(_split_groups, fused=False, widths=(4, 3, 4))
+    with pytest.raises((AssertionError, RuntimeError)):  # differs, or a call without a group's runs fails
+        fused, _ = _two_linear_run(_split_groups, fused=True, widths=(4, 3, 4))
+        assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
+
+
+# =========================================================================== lists over runs in Python
+class GlobalRmsSGD(torch.optim.Optimizer):
+    """Scales every update by the RMS of all of the group's gradients, as AvaGrad and Adai do: a
+    Python list of per-parameter sums, stacked and summed, over a count of the group's elements."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            total = torch.stack([p.grad.pow(2).sum() for p in params]).sum()
+            count = sum(p.numel() for p in params)
+            rms = (total / count).sqrt()
+            for p in params:
+                p.add_(p.grad / (rms + 1e-8), alpha=-group["lr"])
+        return None
+
+
+class RangeScaledSGD(torch.optim.Optimizer):
+    """Each gradient over its range (ROSE's 1-D rule: ``aminmax`` of the whole parameter), the
+    quotient written with ``out=`` into a state buffer shaped like the parameter."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["scaled"] = torch.zeros_like(p)
+                g_min, g_max = p.grad.aminmax()
+                torch.div(p.grad, (g_max - g_min) + 1e-8, out=state["scaled"])
+                p.add_(state["scaled"], alpha=-group["lr"])
+        return None
+
+
+def _one_run_groups(model):
+    # group 2 holds the biases only: one 1-D run of three parameters, whose list over runs has one entry
+    return [{"params": [model.conv.weight, model.fc.weight, model.out.weight]},
+            {"params": [model.conv.bias, model.fc.bias, model.out.bias]}]
+
+
+@pytest.mark.parametrize("groups", [None, _one_run_groups], ids=["several-runs", "a-group-of-one-run"])
+def test_a_python_list_over_runs_reduces_over_every_parameter(groups):
+    make = lambda m: GlobalRmsSGD(groups(m) if groups else m.parameters())  # noqa: E731
+    plain, _ = _ranked_run(make, fused=False, model_arg=True)
+    fused, opt = _ranked_run(make, fused=True, model_arg=True)
+    assert set(fusion_report(opt).group_paths) == {"segmented"}, fusion_report(opt)
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
+
+
+def test_a_count_of_elements_must_leave_the_padding_out(monkeypatch):
+    """Deliberately broken: a run's count of elements counts its alignment padding. The probe refuses it."""
+    monkeypatch.setattr(_segmented.Segmentation, "numel", property(lambda self: self.length))
+    with pytest.raises(NotElementwiseError, match="GlobalRmsSGD"):
+        fuse_optimizer(GlobalRmsSGD(RankedNet().parameters()), compile=False, on_unsupported="raise")
+
+
+def test_a_lone_list_must_be_taken_as_the_group_list_where_the_probes_say_so(monkeypatch):
+    """Deliberately broken: a one-entry list is always one run's own values. On a group of one run
+    the global RMS becomes one RMS per parameter: the probe of one run refuses it."""
+    real = _segmented.SegmentedMode._is_list_over_runs
+    monkeypatch.setattr(_segmented.SegmentedMode, "_is_list_over_runs",
+                        lambda self, values: real(self, values) and not (isinstance(values, list) and len(values) == 1))
+    with pytest.raises(NotElementwiseError, match="GlobalRmsSGD.*a group of one run"):
+        fuse_optimizer(GlobalRmsSGD(RankedNet().parameters()), compile=False, on_unsupported="raise")
+
+
+def test_a_clip_of_each_run_keeps_lone_lists_per_parameter():
+    """BertAdam clips each parameter with ``clip_grad_norm_(p)``, whose list holds one run: per parameter."""
+    from bagua_integrations.optim import BertAdam
+
+    make = lambda ps: BertAdam(ps, lr=1e-2, max_grad_norm=0.5)  # noqa: E731
+    plain, _ = _ranked_run(make, fused=False)
+    fused, opt = _ranked_run(make, fused=True)
+    assert fusion_report(opt).group_paths == ["segmented"]
+    assert not opt._bagua_fusion.layout.groups[0].lone_lists_over_runs
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
+
+
+def test_aminmax_and_out_on_runs_are_per_parameter():
+    make = lambda ps: RangeScaledSGD(ps)  # noqa: E731
+    plain, _ = _ranked_run(make, fused=False)
+    fused, opt = _ranked_run(make, fused=True)
+    assert fusion_report(opt).group_paths == ["segmented"]
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
+
+
+def test_aminmax_over_a_whole_run_must_be_refused(monkeypatch):
+    """Deliberately broken: aminmax of the whole run (the padding and every parameter at once)."""
+    real = _segmented.SegmentedMode._on_runs
+
+    def whole_run(self, func, seg, args, kwargs):
+        if func in (torch.aminmax, torch.Tensor.aminmax):
+            return func(*args, **kwargs)
+        return real(self, func, seg, args, kwargs)
+
+    monkeypatch.setattr(_segmented.SegmentedMode, "_on_runs", whole_run)
+    with pytest.raises(NotElementwiseError, match="RangeScaledSGD"):
+        fuse_optimizer(RangeScaledSGD(RankedNet().parameters()), compile=False, on_unsupported="raise")
+
+
+def test_a_one_element_parameter_alone_in_its_run_joins_a_list_over_runs(monkeypatch):
+    """AdaNorm keeps a ``(1,)`` norm per parameter; for a ``(1,)`` parameter that is shaped like it,
+    so the parameter gets a run of its own. Broken: such a run is not taken as one value."""
+    pytest.importorskip("pytorch_optimizer")
+    from _optimizer_sweep import optimizer_classes, sweep_one
+
+    ((_, cls),) = optimizer_classes(["adanorm"])
+    assert sweep_one("adanorm", cls).kind == "segmented"
+    monkeypatch.setattr(_segmented, "_one_value_run", lambda kind, seg: False)
+    assert sweep_one("adanorm", cls).kind == "refused"
+
+
+def test_python_lists_over_runs_compile_exactly():
+    """AdaNorm (``torch.cat`` of per-parameter state, ``split(1)`` back) as a compiled step, without a closure."""
+    pytest.importorskip("pytorch_optimizer")
+    import pytorch_optimizer
+    from _optimizer_sweep import SweepNet, _data
+
+    def run(fused):
+        model = SweepNet()
+        opt = pytorch_optimizer.AdaNorm(model.groups(), lr=1e-2)
+        if fused:
+            fuse_optimizer(opt, compile=True)
+        for x, y in _data():
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            (opt.fuse_step if fused else opt.step)()
+        return model, opt
+
+    plain, _ = run(False)
+    fused, opt = run(True)
+    assert opt._bagua_fusion.stats.last_step_compiled
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
 
 
 # =========================================================================== closures
