@@ -305,7 +305,8 @@ def _compiled_reduction(name: str, ord: float, x: torch.Tensor, other: Optional[
         elif ord == 0:
             how, part = "sum", (_blockwise(x, seg, 0.0) != 0).sum(1, dtype=torch.float32)
         else:
-            how, part = "sum", _blockwise(x.abs() if ord != 2 else x, seg, 0.0).pow(ord).sum(1)
+            # padding adds nothing: 0 ** ord for ord > 0, inf ** ord for ord < 0 (AvaGrad's norm(-2))
+            how, part = "sum", _blockwise(x.abs() if ord != 2 else x, seg, _INF if ord < 0 else 0.0).pow(ord).sum(1)
             finish = (lambda v: v.sqrt()) if ord == 2 else (lambda v: v.pow(1.0 / ord)) if ord != 1 else None
     elif name == "dot":
         how, part = "sum", _blockwise(x * other, seg, 0.0).sum(1)

@@ -298,7 +298,8 @@ SCENARIOS = {
        for name in ("bertadam", "lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS")},
     "state-dict-into-unfused": _state_dict_into_unfused,
     **{f"big-batch-{name}": functools.partial(_fused_vs_big_batch, name=name)
-       for name in ("lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS")},
+       for name in ("lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS", "pytorch_optimizer.AvaGrad",
+                    "pytorch_optimizer.Adai")},
     **{f"accumulated-{name}": functools.partial(_accumulated_gradients, name=name) for name in ("adamw", "bertadam")},
     **{f"mixed-precision-{name}": functools.partial(_mixed_precision, name=name) for name in ("adamw", "lamb")},
     **{f"dcp-{name}": functools.partial(_dcp_resume, name=name) for name in ("adamw", "bertadam", "lamb")},
@@ -373,7 +374,9 @@ def test_dcp_resume_equals_uninterrupted(name):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", ["lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS"])
+@pytest.mark.parametrize("name", ["lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS",
+                                  # means over all parameters (Python lists over runs, counts of elements)
+                                  "pytorch_optimizer.AvaGrad", "pytorch_optimizer.Adai"])
 def test_fused_on_shards_equals_one_unsharded_model_on_the_whole_batch(world, name):
     pytest.importorskip("pytorch_optimizer")
     if world == 4 and f"big-batch-{name}" not in ON_FOUR_RANKS:

@@ -537,6 +537,7 @@ class ReductionZoo(_ScaledSGD):
         return (
             torch.linalg.vector_norm(g) + g.norm(p=1) + torch.linalg.vector_norm(down, float("inf"))
             + torch.linalg.vector_norm(down, -float("inf")) + torch.linalg.vector_norm(shifted, 3)
+            + torch.linalg.vector_norm(shifted, -2) * 1e-2
             + torch.linalg.vector_norm(torch.where(g > 0, shifted, 0.0), 0) * 1e-3
             + shifted.sum() * 1e-3 + shifted.mean() + down.amax() - down.amin() + torch.max(shifted)
             + torch.min(down) + dot * 1e-3
@@ -581,6 +582,7 @@ _INF = float("inf")
 @needs_compiler
 @pytest.mark.parametrize("name,ord", [("vector_norm", 2.0), ("vector_norm", 1.0), ("vector_norm", 3.0),
                                       ("vector_norm", _INF), ("vector_norm", -_INF), ("vector_norm", 0.0),
+                                      ("vector_norm", -2.0), ("vector_norm", -0.5),  # AvaGrad's norm(-2)
                                       ("sum", 0.0), ("mean", 0.0), ("amax", 0.0), ("amin", 0.0), ("dot", 0.0)])
 def test_compiled_block_reductions_equal_per_segment_values_and_ignore_padding(name, ord):
     """The compiled reduction (block partials + segment_combine) against each segment's own
