@@ -481,7 +481,8 @@ class SegmentedMode(TorchFunctionMode):
             # (Adai's and AvaGrad's means over all parameters); a count used per parameter
             # differs from the per-tensor step, which the probes see
             (seg,) = segs.values()
-            return RunCount(seg.numel)
+            # (a compiled step gets a plain int: the eager probes have seen the step compare none)
+            return seg.numel if torch.compiler.is_compiling() else RunCount(seg.numel)
         if len(segs) > 1:
             raise NotSegmentable(f"{_name(func)} mixes tensors of two different runs")
         (seg,) = segs.values()
@@ -631,9 +632,11 @@ class SegmentedMode(TorchFunctionMode):
                 {id(seg) for _, seg in kinds}) < len(values):
             return False
         if len(values) == 1:
-            self.notes.lone_lists = True
+            if not torch.compiler.is_compiling():
+                self.notes.lone_lists = True
             return self.lone_lists_over_runs
-        self.notes.python_lists_over_runs = True
+        if not torch.compiler.is_compiling():
+            self.notes.python_lists_over_runs = True
         return True
 
     def _stack_runs(self, args, kwargs):
@@ -692,7 +695,8 @@ class SegmentedMode(TorchFunctionMode):
                 isinstance(a, int) and not isinstance(a, bool) for a in args[1:2]
                 if func not in (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)):
             # over every parameter of every run: the valid entries of the list, in order
-            self.notes.across_runs.add(_name(func))
+            if not torch.compiler.is_compiling():  # (notes are for the probes, which run eagerly)
+                self.notes.across_runs.add(_name(func))
             return func(stacked.valid(target), *args[1:], **kwargs)
         raise NotSegmentable(f"{_name(func)} turns a list over runs into shape "
                              f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")

@@ -390,15 +390,17 @@ def test_a_one_element_parameter_alone_in_its_run_joins_a_list_over_runs(monkeyp
     assert sweep_one("adanorm", cls).kind == "refused"
 
 
-def test_python_lists_over_runs_compile_exactly():
-    """AdaNorm (``torch.cat`` of per-parameter state, ``split(1)`` back) as a compiled step, without a closure."""
+@pytest.mark.parametrize("name", ["AdaNorm", "Adai"])
+def test_python_lists_over_runs_compile_exactly(name):
+    """AdaNorm (``torch.cat`` of per-parameter state, ``split(1)`` back) and Adai (one mean over both
+    groups' parameters) as compiled steps, without a closure."""
     pytest.importorskip("pytorch_optimizer")
     import pytorch_optimizer
     from _optimizer_sweep import SweepNet, _data
 
     def run(fused):
         model = SweepNet()
-        opt = pytorch_optimizer.AdaNorm(model.groups(), lr=1e-2)
+        opt = getattr(pytorch_optimizer, name)(model.groups(), lr=1e-2)
         if fused:
             fuse_optimizer(opt, compile=True)
         for x, y in _data():
