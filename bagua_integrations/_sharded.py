@@ -35,10 +35,11 @@ import torch
 
 from . import _torch_compat as compat
 from ._flat import SHARD_ATTR, ShardOf
-from ._layout import FusionConfig, is_sharded
+from ._layout import FlatLayout, FusionConfig, is_sharded
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
 from ._optimizer_copy import optimizer_like
 from ._torch_compat import mark_step_taken, unwrapped_step
+from ._verify import verified
 from .errors import ShardedParameterError
 
 
@@ -233,6 +234,27 @@ class ShardedFusion:
         if self.unfused_reason is not None or any(id(p) not in self.stepped for p in with_grads):
             self._whole_parameter_step(with_grads)
             return loss
+        replay = None if closure is None else (lambda: loss)  # the closure's loss, to the optimizer's own step
+        every = self.config.verify
+        if every and self.shard_fusion.stats.fused_steps % every == 0:
+            # verification mode: the optimizer's own step on the DTensors (whole parameters) first
+            names = {id(p): FlatLayout._param_name(group, index, i, p)
+                     for index, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+            with verified(optimizer, self._reference_step, names, {id(p) for p in self.params}):
+                self._fused_shard_step(optimizer, replay, with_grads)
+        else:
+            self._fused_shard_step(optimizer, replay, with_grads)
+        return loss
+
+    def _reference_step(self) -> None:
+        """The optimizer's own step on the DTensors, for verification mode (nothing of it is kept)."""
+        raw_step, strips_grad_mode = unwrapped_step(type(self.optimizer))
+        with self.shard_fusion._eager_grad_mode(strips_grad_mode):
+            raw_step(self.optimizer)
+
+    def _fused_shard_step(self, optimizer, replay, with_grads) -> None:
+        """The shard optimizer's fused step on this rank's shards (the optimizer's own DTensor step
+        where a shard cannot be stepped in flat runs this step)."""
         for p, stand_in in zip(self.params, self.stand_ins):
             grad = p.grad
             stand_in.grad = None if grad is None else compat.local_shard(grad)
@@ -240,16 +262,15 @@ class ShardedFusion:
         from .fused_optimizer import NeedsWholeParameters, _fused_step
 
         try:
-            _fused_step(self.shard_optimizer, None if closure is None else (lambda: loss))
+            _fused_step(self.shard_optimizer, replay)
         except NeedsWholeParameters:
             self._follow_layout()
             self._whole_parameter_step(with_grads)
-            return loss
+            return
         self._follow_layout()
         self._sync_settings(self.shard_optimizer, optimizer)
         self._show_state()
         self._grads_into_buffers()
-        return loss
 
     def _grads_into_buffers(self) -> None:
         """Each DTensor gradient becomes a view of the flat gradient buffer (which holds its values now),

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ._per_tensor import Bookkeeping
-from .errors import FusionMismatchError
+from .errors import FusionError, FusionMismatchError
 
 ENV = "BAGUA_VERIFY_FUSED"
 
@@ -107,16 +107,28 @@ class Reference:
         states = {id(p): Bookkeeping._snapshot(state[p]) for p in self.params if p in state}
         bookkeeping = Bookkeeping(optimizer)
         attributes = {k: copy.deepcopy(v) for k, v in _optimizer_attributes(optimizer).items()}
-        with torch.random.fork_rng(devices=_rng_devices(self.params)):  # the fused step draws the same numbers
-            run_unfused()
-        # what the unfused step made of each parameter and state entry
-        self.expected = {id(p): p.detach().clone() for p in self.params}
-        self.expected_state = {id(p): {k: v.detach().clone() for k, v in state.get(p, {}).items()
-                                       if isinstance(v, torch.Tensor)} for p in self.params}
+        try:
+            with torch.random.fork_rng(devices=_rng_devices(self.params)):  # the fused step draws the same numbers
+                run_unfused()
+            # what the unfused step made of each parameter and state entry
+            self.expected = {id(p): p.detach().clone() for p in self.params}
+            self.expected_state = {id(p): {k: v.detach().clone() for k, v in state.get(p, {}).items()
+                                           if isinstance(v, torch.Tensor)} for p in self.params}
+        except Exception as exc:
+            self._put_back(before, grads, states, bookkeeping, attributes)
+            raise FusionError(
+                f"verification: {type(optimizer).__name__}'s own unfused step fails here ({type(exc).__name__}: "
+                f"{exc}), so there is nothing to check the fused step against; nothing of it was applied. "
+                "Train without verify (or check the optimizer on a model it can step unfused)"
+            ) from exc
         self.before = before
         self.before_state = {key: {k: copy for k, (_, copy) in entries.items() if copy is not None}
                              for key, entries in states.items()}
-        # ... and everything back as it was
+        self._put_back(before, grads, states, bookkeeping, attributes)
+
+    def _put_back(self, before, grads, states, bookkeeping, attributes) -> None:
+        """Parameters, gradients, state, settings and attributes as they were before the unfused step."""
+        optimizer, state = self.optimizer, self.optimizer.state
         with torch.no_grad():
             for p in self.params:
                 p.copy_(before[id(p)])

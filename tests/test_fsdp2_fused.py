@@ -113,6 +113,32 @@ def _fused_vs_unfused(rank, world, name, compile="auto", hsdp=False):
     return _worst(_full(model), _full(reference)), report.group_paths, report.last_step_fused, report.compiled
 
 
+def _verified(rank, world, name, broken=False):
+    """verify=1: every fused step on shards also runs the optimizer's own DTensor step and compares.
+    ``broken``: each rank's partial norms are not combined (the fused step alone is wrong), which
+    verification must catch on every rank, with the unfused result put in place."""
+    import torch.distributed as dist
+
+    from bagua_integrations import FusionMismatchError, fuse_optimizer
+
+    reference = _model(world)
+    plain = _make(name, reference.parameters())
+    model = _model(world)
+    opt = fuse_optimizer(_make(name, model.parameters()), replace_step=True, verify=1)
+    real = dist.all_reduce
+    for i in range(STEPS):
+        _train(reference, plain, 1, rank, start=i)
+        if broken:
+            dist.all_reduce = lambda *args, **kwargs: None
+        try:
+            _train(model, opt, 1, rank, start=i)
+        except FusionMismatchError as exc:  # the unfused step's result is in place: equal to the reference
+            return "FusionMismatchError", "differs from its unfused step" in str(exc), _worst(_full(model), _full(reference))
+        finally:
+            dist.all_reduce = real
+    return "no error", opt._bagua_fusion.shard_fusion.stats.fused_steps, _worst(_full(model), _full(reference))
+
+
 def _fused_vs_big_batch(rank, world, name):
     """Optimizers whose own step does not run on DTensors (pytorch-optimizer's foreach paths call ops
     DTensor has no rule for): fused on shards, against one unsharded model on the whole batch."""
@@ -297,6 +323,8 @@ SCENARIOS = {
     **{f"broken-{name}": functools.partial(_norms_of_local_shards_only, name=name)
        for name in ("bertadam", "lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS")},
     "state-dict-into-unfused": _state_dict_into_unfused,
+    **{f"verify-{name}": functools.partial(_verified, name=name) for name in ("adamw", "bertadam", "lamb")},
+    "verify-broken-lamb": functools.partial(_verified, name="lamb", broken=True),
     **{f"big-batch-{name}": functools.partial(_fused_vs_big_batch, name=name)
        for name in ("lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS", "pytorch_optimizer.AvaGrad",
                     "pytorch_optimizer.Adai")},
@@ -384,6 +412,19 @@ def test_fused_on_shards_equals_one_unsharded_model_on_the_whole_batch(world, na
     for worst, paths in _value(world, f"big-batch-{name}"):
         assert paths == ["segmented"], paths
         assert worst < RTOL, f"{name}: relative difference {worst:.2e} to the unsharded big-batch run"
+
+
+@pytest.mark.parametrize("name", ["adamw", "bertadam", "lamb"])
+def test_verification_mode_checks_each_fused_step_on_shards(name):
+    for outcome, fused_steps, worst in _value(2, f"verify-{name}"):
+        assert outcome == "no error" and fused_steps == STEPS, (outcome, fused_steps)
+        assert worst < RTOL, f"{name}: relative difference {worst:.2e}"
+
+
+def test_verification_mode_on_shards_catches_norms_of_the_local_shard_only():
+    for outcome, named, worst in _value(2, "verify-broken-lamb"):
+        assert outcome == "FusionMismatchError" and named, outcome
+        assert worst < RTOL, f"the unfused result is not what the parameters hold: {worst:.2e}"
 
 
 @pytest.mark.parametrize("name", ["adamw", "bertadam"])

@@ -225,6 +225,36 @@ def test_verification_passes_exact_fusions_and_leaves_them_exact(compile):
         assert_same_params(plain, fused, rtol=1e-4 if compile else 1e-6, atol=1e-6 if compile else 1e-7)
 
 
+def test_a_reference_step_that_fails_leaves_nothing_applied_and_is_named(monkeypatch):
+    """Verification's unfused step raises half-way (after updating the parameters in place): the
+    step raises FusionError, and parameters, gradients and state are as they were before it."""
+    from bagua_integrations import FusionError
+
+    model = TinyNet()
+    opt = fuse_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), compile=False, verify=2)
+    train(model, opt, batches(2), step=opt.fuse_step)
+    real = fused_module.Fusion._run_reference
+
+    def fails_half_way(self):
+        real(self)
+        raise RuntimeError("no sharding rule")
+
+    monkeypatch.setattr(fused_module.Fusion, "_run_reference", fails_half_way)
+    x, y = batches(3)[2]
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    state = {name: {k: v.clone() for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
+    assert grads and any(state.values())
+    with pytest.raises(FusionError, match="own unfused step fails here.*no sharding rule"):
+        opt.fuse_step()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) and (name not in grads or torch.equal(p.grad, grads[name])), name
+        for key, value in state[name].items():
+            assert torch.equal(opt.state[p][key], value), (name, key)
+
+
 def test_the_environment_variable_turns_verification_on(monkeypatch):
     monkeypatch.setenv("BAGUA_VERIFY_FUSED", "3")
     opt = fuse_optimizer(torch.optim.SGD(TinyNet().parameters(), lr=0.1), compile=False)
