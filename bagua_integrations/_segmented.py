@@ -384,20 +384,23 @@ class RunCount(int):
     """``p.numel()`` of a run: its parameters' elements (never the padding's).
 
     Summed (``sum(p.numel() for p in params)``: Adai's and AvaGrad's means over a group) it is the
-    count the per-tensor step sums, and the sum is a plain ``int``. Compared as it is
-    (``p.numel() >= 4096``, ``if p.numel() == 1:``), it would be one run's count where the per-tensor
-    step compares each parameter's: a branch per parameter, which a run cannot take (refused).
-    Other arithmetic on it (an RMS over ``sqrt(p.numel())``) changes the numbers, which the probes see."""
+    count the per-tensor step sums, and the sum is a plain ``int``. Anything else uses one
+    parameter's count, which a run does not have: compared (``p.numel() >= 4096``, a branch per
+    parameter that the probes' small tensors would all take alike) or in arithmetic
+    (``p.numel() * 2 >= 8192``, an RMS over ``sqrt(p.numel())``): refused."""
 
     def __add__(self, other):
         return int(self) + other if isinstance(other, int) else NotImplemented
 
     __radd__ = __add__
 
-    def _branch(self, *args):
-        raise NotSegmentable("the step compares a parameter's count of elements (numel), a branch per parameter")
+    def _per_parameter(self, *args):
+        raise NotSegmentable("the step uses a parameter's count of elements (numel) otherwise than summed over "
+                             "its parameters")
 
-    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _branch
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _per_parameter
+    __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _per_parameter
+    __mod__ = __rmod__ = __pow__ = __rpow__ = __neg__ = __float__ = __divmod__ = __rdivmod__ = _per_parameter
     __hash__ = int.__hash__
 
 

@@ -1002,6 +1002,11 @@ class LargeOnlyDecay(_DirectionSGD):
         return g + group["wd"] * p if p.numel() >= 4096 else g
 
 
+class ScaledSizeDecay(_DirectionSGD):
+    def direction(self, p, g, group):  # a size threshold behind arithmetic on the count
+        return g + group["wd"] * p if p.numel() * 2 >= 8192 else g
+
+
 class GroupRMS(torch.optim.Optimizer):
     """Normalizes by the RMS of all of the group's gradients: alignment padding changes a mean."""
 
@@ -1021,8 +1026,9 @@ class GroupRMS(torch.optim.Optimizer):
 @pytest.mark.parametrize("cls,shapes", [
     (ConvOnlyDecay, [(16, 8, 3, 3), (16,), (10, 16)]),
     (LargeOnlyDecay, [(64, 128), (64,), (10, 64), (10,)]),
+    (ScaledSizeDecay, [(64, 128), (64,), (10, 64), (10,)]),
     (GroupRMS, [(6, 5), (6,), (7, 7), (3,)]),
-], ids=["conv-only-decay", "size-threshold", "group-mean"])
+], ids=["conv-only-decay", "size-threshold", "scaled-size-threshold", "group-mean"])
 def test_the_probe_sees_rank_four_rules_size_thresholds_and_means_over_padding(cls, shapes):
     """Each went through the elementwise path with wrong numbers (2-3.4x off): the probe had no
     4-D tensor, tensors too small for the threshold, and no padding in its flat tensor."""
