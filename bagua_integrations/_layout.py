@@ -229,6 +229,12 @@ class FlatLayout:
             warnings.warn(message, FusionFallbackWarning, stacklevel=stacklevel + 1)
 
     @staticmethod
+    def param_names(optimizer) -> Dict[int, str]:
+        """id(parameter) -> the name errors and reports give it (see :meth:`_param_name`)."""
+        return {id(p): FlatLayout._param_name(group, index, i, p)
+                for index, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+
+    @staticmethod
     def _param_name(group, index, i, p) -> str:
         names = group.get("param_names")
         name = names[i] if names and i < len(names) else f"param_groups[{index}]['params'][{i}]"

@@ -154,10 +154,11 @@ class PathChooser:
             lone = not notes.lone_lists or probe_segmented(
                 self.optimizer, group, device, template, self.sharded, ranks=(1,)) is not None
             if lone:
-                not_segmented = probe_segmented(
-                    self.optimizer, group, device, template, self.sharded, ranks=(1,), lone_lists_over_runs=True
-                ) or (notes.lone_lists and probe_segmented(self.optimizer, group, device, template, self.sharded,
-                                                           lone_lists_over_runs=True)) or None
+                not_segmented = probe_segmented(self.optimizer, group, device, template, self.sharded, ranks=(1,),
+                                                lone_lists_over_runs=True)
+                if not_segmented is None and notes.lone_lists:  # the step's own lone lists, on several runs
+                    not_segmented = probe_segmented(self.optimizer, group, device, template, self.sharded,
+                                                    lone_lists_over_runs=True)
                 if not_segmented is not None:
                     not_segmented = f"on a group of one run: {not_segmented}"
         if not_segmented is None:

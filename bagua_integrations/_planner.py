@@ -330,12 +330,8 @@ class StepPlanner:
         return self._empty_group_reason
 
     def _unfused_plan(self, why: str) -> StepPlan:
-        """This step as the optimizer's own step over its own parameters (views of the flat buffers).
-
-        A segmented step that reduces over every parameter of a list over runs (a global norm) is
-        exact only when one call of it holds every parameter; a step split over several calls
-        (runs told apart only by their place, parameters stepped on their own this step) would
-        reduce over each call's part: silently wrong. Taken unfused, it stays exact."""
+        """This step as the optimizer's own step over its own parameters (views of the flat buffers),
+        where splitting it over several calls would not be exact (``why``: see :meth:`_not_splittable`)."""
         self.layout.warn_once(
             "unsplittable",
             f"{type(self.optimizer).__name__}: this step's parameters do not fit one call of its step (two "

@@ -39,10 +39,10 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Segmentation", "SegmentedMode", "StepNotes", "NotSegmentable", "segment_views", "MAX_RANK", "segment_scalar_shape",
-           "state_kind"]
+__all__ = ["Segmentation", "SegmentedMode", "StepNotes", "NotSegmentable", "segment_views", "MAX_RANK",
+           "segment_scalar_shape", "state_kind"]
 
-MAX_RANK = 4  # proxies have rank 1..4; a segment scalar has rank 5, so the two never collide
+MAX_RANK = 4  # proxies have rank 1..4; segment scalars rank 5, 7, 9, ... and lists over runs 6: they never collide
 _SCALAR_TRAILING = (1,) * MAX_RANK
 # Reading a value into Python makes the control flow depend on one parameter's numbers.
 _VALUE_READS = {getattr(torch.Tensor, n) for n in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__",
@@ -56,7 +56,7 @@ _WHOLE_REDUCTIONS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, to
                      torch.Tensor.max, torch.min, torch.Tensor.min, torch.dot, torch.Tensor.dot}
 _FOREACH_IN_PLACE = {f for f, base in _FOREACH.items() if base.endswith("_")}
 _STACKS = {torch.stack, torch.cat, torch.concat, torch.concatenate}
-_SIZE_READS = {torch.Tensor.numel, torch.Tensor.nelement, torch.numel}
+_ELEMENT_COUNTS = {torch.Tensor.numel, torch.Tensor.nelement, torch.numel}
 # Shape-only functions: on one value per parameter, the per-parameter result is that one value again.
 _RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.squeeze, torch.squeeze,
              torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.flatten, torch.flatten, torch.Tensor.ravel,
@@ -144,9 +144,14 @@ class Segmentation:
         return self.shape[-1]
 
     @property
+    def segment_numels(self) -> List[int]:
+        """Each segment's parameter's elements (the whole parameter's over shards)."""
+        return self.shard_numels if self.shard_numels is not None else [end - start for start, end, _ in self.pieces]
+
+    @property
     def numel(self) -> int:
         """Elements of its parameters, the padding's not counted (whole parameters' over shards)."""
-        return sum(self.shard_numels) if self.shard_numels is not None else sum(e - b for b, e, _ in self.pieces)
+        return sum(self.segment_numels)
 
     @property
     def scalar_shape(self) -> Tuple[int, ...]:
@@ -189,8 +194,7 @@ class Segmentation:
         padded = bool((valid < block).any())
         self.block, self.block_ids, self.block_ranges = block, ids.to(device), ranges
         self.block_valid = valid.to(device) if padded else None  # elements of each block inside a segment
-        numels = self.shard_numels or [end - start for start, end, _ in self.pieces]
-        self.numels = torch.tensor(numels, dtype=torch.float32, device=device)
+        self.numels = torch.tensor(self.segment_numels, dtype=torch.float32, device=device)
 
     def expand_indexed(self, scalars: torch.Tensor) -> torch.Tensor:
         """:meth:`expand` as a gather a compiler fuses into the kernel that uses it (no
@@ -479,10 +483,9 @@ class SegmentedMode(TorchFunctionMode):
             raise NotSegmentable(f"{_name(func)} mixes values of a list over runs with a run")
         if func in _STACKS and self._is_list_over_runs(args[0] if args else kwargs.get("tensors")):
             return self._stack_runs(args, kwargs)
-        if func in _SIZE_READS and args and isinstance(args[0], torch.Tensor) and kinds == {"run"}:
+        if func in _ELEMENT_COUNTS and args and isinstance(args[0], torch.Tensor) and kinds == {"run"}:
             # a count of elements: the parameters' (never the padding's), as summed over a group
-            # (Adai's and AvaGrad's means over all parameters); a count used per parameter
-            # differs from the per-tensor step, which the probes see
+            # (Adai's and AvaGrad's means over all parameters); any other use is refused (RunCount)
             (seg,) = segs.values()
             # (a compiled step gets a plain int: the eager probes have seen the step compare none)
             return seg.numel if torch.compiler.is_compiling() else RunCount(seg.numel)
@@ -501,8 +504,9 @@ class SegmentedMode(TorchFunctionMode):
     # ------------------------------------------------------------------ run-shaped inputs
     def _on_runs(self, func, seg: Segmentation, args, kwargs):
         out = kwargs.get("out")
-        if (out is not None and not (isinstance(out, torch.Tensor) and tuple(out.shape) == seg.shape)) or (
-                func in _IN_PLACE and args and isinstance(args[0], torch.Tensor) and tuple(args[0].shape) == seg.scalar_shape):
+        into_run = out is None or (isinstance(out, torch.Tensor) and tuple(out.shape) == seg.shape)
+        if not into_run or (func in _IN_PLACE and args and isinstance(args[0], torch.Tensor)
+                            and tuple(args[0].shape) == seg.scalar_shape):
             raise NotSegmentable(f"{_name(func)} writes run-shaped values into a per-parameter value")
         if func in (torch.aminmax, torch.Tensor.aminmax) and len(args) == 1 and not kwargs:
             # both extremes of the whole parameter (ROSE's gradient range): two reductions

@@ -238,9 +238,8 @@ class ShardedFusion:
         every = self.config.verify
         if every and self.shard_fusion.stats.fused_steps % every == 0:
             # verification mode: the optimizer's own step on the DTensors (whole parameters) first
-            names = {id(p): FlatLayout._param_name(group, index, i, p)
-                     for index, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
-            with verified(optimizer, self._reference_step, names, {id(p) for p in self.params}):
+            names, reducing = FlatLayout.param_names(optimizer), {id(p) for p in self.params}
+            with verified(optimizer, self._reference_step, names, reducing):
                 self._fused_shard_step(optimizer, replay, with_grads)
         else:
             self._fused_shard_step(optimizer, replay, with_grads)

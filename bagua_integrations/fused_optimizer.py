@@ -315,15 +315,11 @@ class Fusion:
         self._replay = replay
         every = self.config.verify
         if every and self.stats.fused_steps % every == 0:
-            with verified(optimizer, self._run_reference, self._param_names(), self._reducing_params()):
+            with verified(optimizer, self._run_reference, FlatLayout.param_names(optimizer), self._reducing_params()):
                 self._fused_step(optimizer)
         else:
             self._fused_step(optimizer)
         return loss
-
-    def _param_names(self) -> Dict[int, str]:
-        return {id(p): FlatLayout._param_name(group, index, i, p)
-                for index, group in enumerate(self.optimizer.param_groups) for i, p in enumerate(group["params"])}
 
     def _reducing_params(self) -> set:
         """ids of the parameters not on the elementwise path (their steps may reduce over them)."""
