@@ -301,17 +301,27 @@ class StepPlanner:
             plan.per_tensor.extend(group.per_tensor)
             # segmented runs span whole buffers: a run cut in two would be a call more (equal lengths)
             cap = float("inf") if group.segmented else run_cap
+            proxies = 0
             for buffer in group.buffers:
                 for first, last in self._runs(buffer, cap, params, plan.per_tensor):
                     run = self._make_run(buffer, first, last, group.segmented)
                     plan.runs.append(run)
                     if run.segmentation is None:
                         params.append(run.proxy)
+                        proxies += 1
                     else:
                         self._add_segmented_call(plan, groups, index, run)
-            plan.group_params.append(params)
+            plan.group_params.append(params if len(params) - proxies < 2 else self._in_group_order(index, params))
         why = self._not_splittable(plan)
         return self._unfused_plan(why) if why else plan
+
+    def _in_group_order(self, index: int, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``params`` with the parameters stepped on their own first, in the group's order, then the
+        runs: a step that draws random numbers per parameter (Gravity's initial state) draws them
+        in the unfused step's order on a first step, where every parameter is stepped on its own."""
+        order = {id(p): i for i, p in enumerate(self.optimizer.param_groups[index]["params"])}
+        singles = [p for p in params if id(p) in order]
+        return sorted(singles, key=lambda p: order[id(p)]) + [p for p in params if id(p) not in order]
 
     def _not_splittable(self, plan: StepPlan) -> Optional[str]:
         """Why ``plan``'s several calls of the optimizer's step would not make its one step exactly

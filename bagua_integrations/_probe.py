@@ -71,6 +71,13 @@ def _keeps_rng(probe):
     return wrapped
 
 
+def _replayed_rng(device: torch.device):
+    """Random numbers drawn inside are drawn again after it: the per-tensor step and the fused
+    one of a probe see one stream, as the unfused and the fused optimizer do in training (Gravity
+    draws its initial state from it)."""
+    return torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
+
+
 class ProbeCopyError(Exception):
     """The optimizer cannot be copied for probing (see :func:`_probe_clone`)."""
 
@@ -246,11 +253,21 @@ def _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator, tem
     opt_b.state[flat] = flat_state
 
 
-def _mismatch(name: str, per_tensor: torch.Tensor, flat: torch.Tensor) -> Optional[str]:
+def _mismatch(name: str, per_tensor: torch.Tensor, flat: torch.Tensor,
+              before: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why ``flat`` is not ``per_tensor`` up to fp32 rounding, or ``None``.
+
+    ``before``: the values both started from. A difference within ``_RTOL`` of how far a value
+    moved is rounding too: MADGRAD's dual averaging computes a parameter as the difference of two
+    far larger terms (``x0 - s / rms``), so one rounding step of those, which differs with an
+    element's place in a vectorised loop, is a large part of a tiny parameter. A step that is not
+    elementwise changes the update itself, by much more than that."""
     if per_tensor.shape != flat.shape:
         return f"{name} has shape {tuple(flat.shape)} on the flat tensor, not {tuple(per_tensor.shape)}"
     a, b = per_tensor.double(), flat.double()
     same = (a == b) | ((a - b).abs() <= _RTOL * torch.maximum(a.abs(), b.abs())) | (a.isnan() & b.isnan())
+    if before is not None:
+        same |= (a - b).abs() <= _RTOL * (a - before.double()).abs()
     if bool(same.all()):
         return None
     worst = ((a - b).abs() / a.abs().clamp_min(1e-30))[~same].max().item()
@@ -291,7 +308,8 @@ def probe_elementwise(
                 for p, g in zip(per_tensor, step_grads):
                     p.grad = g.clone()
                 flat.grad = _padded_cat(step_grads)
-                closure.step(step, opt_a, n)
+                with _replayed_rng(device):
+                    closure.step(step, opt_a, n)
                 with watched(dict(flat_numel)) as watch, sizes:
                     closure.step(step, opt_b, n)
                 if mixing is not None:
@@ -304,7 +322,7 @@ def probe_elementwise(
     if sizes.read:
         return "its step reads a parameter's size (numel, len, size or shape), which a flat tensor changes"
     try:
-        return _compare_flat(opt_a, per_tensor, opt_b, flat)
+        return _compare_flat(opt_a, per_tensor, opt_b, flat, init)
     except Exception as exc:  # state the comparison cannot read (e.g. dicts of tensors)
         return f"its state cannot be compared per tensor and flat ({type(exc).__name__}: {exc})"
 
@@ -325,10 +343,10 @@ def _untouched(optimizer):
             )
 
 
-def _compare_flat(opt_a, per_tensor, opt_b, flat) -> Optional[str]:
+def _compare_flat(opt_a, per_tensor, opt_b, flat, init) -> Optional[str]:
     with torch.no_grad():
         reason = _mismatch("the parameter update", torch.cat([p.reshape(-1) for p in per_tensor]),
-                           _unpadded(flat, per_tensor))
+                           _unpadded(flat, per_tensor), torch.cat([t.reshape(-1) for t in init]))
         if reason:
             return reason
         flat_state = opt_b.state.get(flat, {})
@@ -413,7 +431,8 @@ def probe_segmented(
             for n, step_grads in enumerate(grads):
                 for p, g in zip(per_tensor, step_grads):
                     p.grad = g.clone()
-                closure.step(step, opt_a, n)
+                with _replayed_rng(device):
+                    closure.step(step, opt_a, n)
                 if n == 0 and not first_step_on_runs:
                     for v, g in zip(views, step_grads):
                         v.grad = g.clone()
@@ -436,7 +455,7 @@ def probe_segmented(
     if reason:
         return reason
     try:
-        return _compare_segmented(opt_a, per_tensor, opt_b, runs)
+        return _compare_segmented(opt_a, per_tensor, opt_b, runs, init)
     except Exception as exc:
         return f"its state cannot be compared per parameter and segmented ({type(exc).__name__}: {exc})"
 
@@ -471,12 +490,12 @@ def _pack_runs(opt, views, runs) -> Optional[str]:
     return None
 
 
-def _compare_segmented(opt_a, per_tensor, opt_b, runs) -> Optional[str]:
+def _compare_segmented(opt_a, per_tensor, opt_b, runs, init) -> Optional[str]:
     with torch.no_grad():
         for proxy, seg, indices in runs:
             got = segment_views(proxy.detach(), seg)
             for view, i in zip(got, indices):
-                reason = _mismatch("the parameter update", per_tensor[i].reshape(-1), view.reshape(-1))
+                reason = _mismatch("the parameter update", per_tensor[i].reshape(-1), view.reshape(-1), init[i].reshape(-1))
                 if reason:
                     return reason
             run_state = opt_b.state.get(proxy, {})
@@ -561,7 +580,7 @@ def probe_per_tensor_calls(
     try:
         with torch.no_grad():
             for i, (a, b) in enumerate(zip(whole, split)):
-                reason = _mismatch(f"parameter {i}'s update", a.reshape(-1), b.reshape(-1))
+                reason = _mismatch(f"parameter {i}'s update", a.reshape(-1), b.reshape(-1), init[i].reshape(-1))
                 if reason:
                     return reason + " when stepped alone"
                 state_a, state_b = opt_a.state.get(a, {}), opt_b.state.get(b, {})

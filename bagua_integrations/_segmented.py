@@ -414,6 +414,41 @@ def _one_value_run(kind: str, seg: Optional[Segmentation]) -> bool:
     return kind == "run" and seg.length == 1 and seg.segments == 1
 
 
+# ``dim=`` that names a dimension to reduce or normalise along, not one to read or reshape
+_DIM_KEYWORDS = ("dim", "axis")
+_SHAPE_READS = {torch.Tensor.size, torch.Tensor.stride, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze,
+                torch.squeeze, torch.Tensor.flatten, torch.flatten, torch.Tensor.transpose, torch.transpose,
+                torch.Tensor.unbind, torch.unbind, torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk}
+
+
+def _along_dims(func, kwargs) -> bool:
+    """``func`` works along named dimensions (``dim=``/``axis=``), which a run does not have."""
+    return func not in _SHAPE_READS and any(kwargs.get(key) is not None for key in _DIM_KEYWORDS)
+
+
+def _gathered(func, seg: "Segmentation", values: List[Any], along_dims: bool) -> torch.Tensor:
+    """Per-segment results of ``func`` as one tensor: one value per parameter as its segment scalar;
+    with ``along_dims``, results shaped like their parameter or broadcasting to it as a run (each
+    expanded over its segment: what elementwise math against the parameter reads; padding 1)."""
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        raise NotSegmentable(f"{_name(func)} of one parameter is not a tensor")
+    if along_dims and all(v.dim() == len(shape) and all(n in (1, m) for n, m in zip(v.shape, shape))
+                          for v, (_, _, shape) in zip(values, seg.pieces)):
+        parts, cursor = [], 0
+        for (start, end, shape), v in zip(seg.pieces, values):
+            if start > cursor:
+                parts.append(v.new_ones(start - cursor))
+            parts.append(v.expand(shape).reshape(-1))
+            cursor = end
+        if seg.length > cursor:
+            parts.append(values[0].new_ones(seg.length - cursor))
+        return torch.cat(parts).view(seg.shape)
+    if all(v.numel() == 1 for v in values):
+        return torch.stack([v.reshape(()) for v in values]).reshape(seg.scalar_shape)
+    what = "has fewer dimensions than the parameter" if along_dims else "is not one value"
+    raise NotSegmentable(f"{_name(func)} of one parameter {what}")
+
+
 def _name(func) -> str:
     return getattr(func, "__name__", None) or repr(func)
 
@@ -508,6 +543,12 @@ class SegmentedMode(TorchFunctionMode):
         if not into_run or (func in _IN_PLACE and args and isinstance(args[0], torch.Tensor)
                             and tuple(args[0].shape) == seg.scalar_shape):
             raise NotSegmentable(f"{_name(func)} writes run-shaped values into a per-parameter value")
+        if _along_dims(func, kwargs):
+            # a reduction or normalisation along dimensions of each parameter (row norms, a mean per
+            # channel, ``F.normalize(x, dim=0)``): on each parameter's view, shaped like it
+            if func in _IN_PLACE:
+                raise NotSegmentable(f"{_name(func)} along a dimension writes into a run in place")
+            return self._per_segment(func, seg, args, kwargs, along_dims=True)
         if func in (torch.aminmax, torch.Tensor.aminmax) and len(args) == 1 and not kwargs:
             # both extremes of the whole parameter (ROSE's gradient range): two reductions
             return torch.return_types.aminmax((self._per_segment(torch.amin, seg, args, {}),
@@ -523,6 +564,8 @@ class SegmentedMode(TorchFunctionMode):
         )
         out = func(*expanded_args, **expanded_kwargs)
         if not isinstance(out, torch.Tensor):
+            if isinstance(out, tuple) and out and all(isinstance(o, torch.Tensor) and o.numel() == 1 for o in out):
+                return self._per_segment(func, seg, args, kwargs)  # std_mean, var_mean of a whole parameter
             if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
                 raise NotSegmentable(f"{_name(func)} returns several tensors from a run")
             return out  # dtype, device, shape, requires_grad, ...
@@ -533,8 +576,14 @@ class SegmentedMode(TorchFunctionMode):
         raise NotSegmentable(f"{_name(func)} turns a run of shape {seg.shape} into shape {tuple(out.shape)} "
                              "(a reshape, or a reduction along a dimension)")
 
-    def _per_segment(self, func, seg: Segmentation, args, kwargs) -> torch.Tensor:
-        """The reduction ``func`` on each segment's own view: the per-parameter values, stacked."""
+    def _per_segment(self, func, seg: Segmentation, args, kwargs, along_dims: bool = False):
+        """``func`` on each segment's own view, shaped like its parameter: a reduction's per-parameter
+        values, stacked (a tuple of them for ``std_mean``); with ``along_dims``, results shaped like
+        the parameter or broadcasting to it (``keepdim=True``), laid out as a run."""
+        if along_dims and (torch.compiler.is_compiling() or self.known_reductions_only):
+            # a compiled step would grow a node per parameter; over shards a row may span ranks
+            raise NotSegmentable(f"{_name(func)} along a dimension is left to the eager segmented step (and is "
+                                 "not combined across shards)")
         if torch.compiler.is_compiling() or self.known_reductions_only:
             return self._per_segment_compiled(func, seg, args, kwargs)
         views: Dict[int, List[torch.Tensor]] = {}
@@ -560,11 +609,12 @@ class SegmentedMode(TorchFunctionMode):
         values = []
         for i in range(seg.segments):
             a, k = piece(i)
-            value = func(*a, **k)
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise NotSegmentable(f"{_name(func)} of one parameter is not one value")
-            values.append(value.reshape(()))
-        return torch.stack(values).reshape(seg.scalar_shape)
+            values.append(func(*a, **k))
+        first = values[0]
+        if isinstance(first, tuple) and all(isinstance(v, torch.Tensor) for v in first):
+            parts = [_gathered(func, seg, [v[j] for v in values], along_dims) for j in range(len(first))]
+            return type(first)(parts) if hasattr(first, "n_fields") else tuple(parts)  # (return_types keep names)
+        return _gathered(func, seg, values, along_dims)
 
     def _per_segment_compiled(self, func, seg: Segmentation, args, kwargs) -> torch.Tensor:
         spec = _reduction_spec(func, args, kwargs)
