@@ -69,7 +69,7 @@ def slot_room(param: torch.Tensor) -> int:
 class Slot:
     """One parameter's place in a flat buffer."""
 
-    __slots__ = ("param", "start", "end", "param_ptr", "grad_view", "token", "state_views")
+    __slots__ = ("param", "start", "end", "param_ptr", "grad_view", "token", "state_views", "branch")
 
     def __init__(self, param: torch.Tensor, start: int):
         self.param = param
@@ -80,6 +80,9 @@ class Slot:
         # Slots with the same token hold identical scalar state and may share a run.
         self.token: object = None
         self.state_views: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (flat, view)
+        # Slots whose step took different ways at a Python branch on per-parameter values differ
+        # here, and go in different runs (_planner.StepPlanner.split_where_branches_differ).
+        self.branch = 0
 
 
 class FlatBuffer:

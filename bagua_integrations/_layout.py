@@ -136,6 +136,7 @@ class GroupLayout:
         # segmented: its step reduces over every parameter of a list over runs (_paths.GroupPath.across_runs)
         self.across_runs: Tuple[str, ...] = ()
         self.lone_lists_over_runs = False  # segmented: _paths.GroupPath.lone_lists_over_runs
+        self.value_branches = False  # segmented: _paths.GroupPath.value_branches
 
     @property
     def path_why(self) -> str:
@@ -291,6 +292,7 @@ class FlatLayout:
                 layout.first_step_on_runs = path.first_step_on_runs
                 layout.across_runs = path.across_runs
                 layout.lone_lists_over_runs = path.lone_lists_over_runs
+                layout.value_branches = path.value_branches
             if reason is None and not self.config.do_flatten and not FlatBuffer.adoptable(members):
                 reason = "do_flatten=False and its parameters are not already contiguous in memory"
             if reason is not None:

@@ -45,6 +45,9 @@ class GroupPath:
     # segmented: a Python list of one run's per-parameter values, stacked, is a list over runs (the
     # group's list, when the group has one run), not the run's values per parameter (SegmentedMode)
     lone_lists_over_runs: bool = False
+    # segmented: it branches in Python on one value per parameter (``if norm == 0:``); a step whose
+    # parameters would take different ways is undone and taken per parameter (_segmented.BranchesDisagree)
+    value_branches: bool = False
 
     @property
     def refusal(self) -> Optional[str]:
@@ -128,7 +131,8 @@ class PathChooser:
             return self.choose(group, device)
         probed = self._probe(group, device, template)
         return GroupPath(probed.path, f"probed again with its state after its step {because}: {probed.why}",
-                         probed.mixing, probed.first_step_on_runs, probed.across_runs, probed.lone_lists_over_runs)
+                         probed.mixing, probed.first_step_on_runs, probed.across_runs, probed.lone_lists_over_runs,
+                         probed.value_branches)
 
     def remember(self, group: Dict[str, Any], device: torch.device, path: GroupPath) -> None:
         """Make ``path`` the group's path under its current settings (laying it out again takes it)."""
@@ -165,8 +169,10 @@ class PathChooser:
             first_on_runs = self.sharded and probe_segmented(
                 self.optimizer, group, device, template, known_reductions_only=True, first_step_on_runs=True,
                 lone_lists_over_runs=lone) is None
+            branches = ("; it branches on per-parameter values (`if norm == 0:`): a step whose parameters go "
+                        "different ways is taken per parameter" if notes.value_branches else "")
             return GroupPath(SEGMENTED, f"not elementwise ({not_elementwise}); elementwise apart from reductions "
-                                        "over whole parameters, which are computed per parameter",
+                                        f"over whole parameters, which are computed per parameter{branches}",
                              first_step_on_runs=first_on_runs, across_runs=tuple(sorted(notes.across_runs)),
-                             lone_lists_over_runs=lone)
+                             lone_lists_over_runs=lone, value_branches=notes.value_branches)
         return GroupPath(PER_TENSOR, f"{not_elementwise}; with per-parameter reductions: {not_segmented}")

@@ -222,6 +222,7 @@ class StepPlanner:
         self._shaped: Dict[Tuple[int, int, int, str], torch.Tensor] = {}  # rank-shaped views, reused
         self._segmentations: Dict[Any, Segmentation] = {}  # one per run layout: compiled graphs key on it
         self._first_stepped: set = set()  # ids of FIRST_STEP slots that took their first step per tensor
+        self._branch_classes: Dict[Tuple[int, bool], int] = {}  # (slot.branch, way taken) -> the slot's new class
         self._state_seen: Optional[StateWatch] = None  # the state as the last write-back left it
         # Set when this step may have replaced or added a state object after plan()'s check (see
         # _put): write_back() then compares the state with the watch instead of only re-reading
@@ -360,6 +361,38 @@ class StepPlanner:
         self._state_written = True  # the optimizer steps each parameter's own state entry
         return plan
 
+    def split_where_branches_differ(self, plan: StepPlan, seg: Segmentation, taken: List[bool]) -> None:
+        """Cut the run of ``seg`` where its parameters took different ways at a Python branch, for
+        the steps to come: each part then takes one way, as long as they keep to them."""
+        run = next((run for run in plan.runs if run.segmentation is seg), None)
+        if run is None:
+            return
+        for slot, way in zip(run.slots, taken):
+            slot.branch = self._branch_classes.setdefault((slot.branch, bool(way)), len(self._branch_classes) + 1)
+        self.tokens_stale = True
+
+    def per_parameter(self, plan: StepPlan, swapped_state, call_params: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
+        """Take the runs of one segmented call (``call_params``: its proxies per group) out of
+        ``plan``: their parameters are stepped on their own this step, with their own state entries
+        (views of the flat state: what the runs held). Returns those parameters per group, each
+        group's in its order. Their runs' state is not written back."""
+        proxies = {id(proxy) for params in call_params for proxy in params}
+        moved = [run for run in plan.runs if id(run.proxy) in proxies]
+        plan.runs = [run for run in plan.runs if id(run.proxy) not in proxies]
+        by_proxy = {id(run.proxy): run for run in moved}
+        state = self.optimizer.state
+        out = []
+        for index, params in enumerate(call_params):
+            singles = [slot.param for proxy in params for slot in by_proxy[id(proxy)].slots]
+            for p in singles:
+                plan.per_tensor.append(p)
+                if p in state:
+                    swapped_state[p] = state[p]
+            out.append(self._in_group_order(index, singles) if len(singles) > 1 else singles)
+        self.tokens_stale = True
+        self._state_written = True  # the optimizer steps each parameter's own state entry
+        return out
+
     @staticmethod
     def _add_segmented_call(plan: StepPlan, groups: int, index: int, run: Run) -> None:
         seg = run.segmentation
@@ -383,7 +416,8 @@ class StepPlanner:
                     yield first, i
                     first = None
                 continue
-            if first is not None and (slot.token is not slots[first].token or slot.end - slots[first].start > run_cap):
+            if first is not None and (slot.token is not slots[first].token or slot.branch != slots[first].branch
+                                      or slot.end - slots[first].start > run_cap):
                 yield first, i
                 first = None
             if first is None:

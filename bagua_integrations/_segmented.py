@@ -20,9 +20,16 @@ run of many parameters, provided every reduction is computed per parameter. That
   like the parameter, with the very same function and arguments, so the values are the
   per-parameter ones bit for bit. Nothing is allowlisted; the mode recognises a reduction by
   its result.
+* A call **along a dimension** (``dim=``: a mean per output channel, ``F.normalize(m, dim=0)``)
+  runs on each segment's view too; a result shaped like the parameter, or broadcasting to it
+  (``keepdim=True``), is laid over the segment's range of a run-shaped tensor.
+* A Python **branch** on a segment scalar (``if exp_avg_sq == 0:``) goes the way every segment
+  goes; where they differ, :class:`BranchesDisagree` is raised before the branch, the step's
+  writes so far are undone from the mode's journal, and the caller takes those parameters' step
+  per parameter.
 * What cannot be expressed raises :class:`NotSegmentable`: reading a value into Python
-  (``if norm > 0:``, ``.item()``), a reduction along a dimension (Adafactor's factored
-  moments), reshaping a run, or a per-parameter result that is not a single value. The probe
+  (``.item()``), a reduction along a dimension that drops it (Nero's per-neuron norms, viewed
+  back by hand), reshaping a run, or a per-parameter result that is not a single value. The probe
   (``_probe.probe_segmented``) turns that, or any mismatch with the per-tensor step, into
   "keep the exact per-tensor step".
 """
@@ -39,7 +46,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Segmentation", "SegmentedMode", "StepNotes", "NotSegmentable", "segment_views", "MAX_RANK",
+__all__ = ["Segmentation", "SegmentedMode", "StepNotes", "NotSegmentable", "BranchesDisagree", "segment_views", "MAX_RANK",
            "segment_scalar_shape", "state_kind"]
 
 MAX_RANK = 4  # proxies have rank 1..4; segment scalars rank 5, 7, 9, ... and lists over runs 6: they never collide
@@ -77,10 +84,23 @@ class StepNotes:
     # it stacked a Python list of one run's per-parameter values (taken as that run's own values
     # unless ``lone_lists_over_runs``)
     lone_lists: bool = False
+    # it branched in Python on one value per parameter (``if norm == 0:``), every parameter the same way
+    value_branches: bool = False
 
 
 class NotSegmentable(RuntimeError):
     """The optimizer's step does something a segmented run cannot reproduce per parameter."""
+
+
+class BranchesDisagree(NotSegmentable):
+    """A Python branch on one value per parameter (``if exp_avg_sq == 0:``) that the parameters of a
+    run take different ways: their step must be taken per parameter. Raised before anything of the
+    branch runs; what the step wrote before it, the mode's journal undoes. ``taken``: the way each
+    segment of ``segmentation`` goes (the planner cuts the run there for later steps)."""
+
+    def __init__(self, message: str, segmentation: "Segmentation", taken: List[bool]):
+        super().__init__(message)
+        self.segmentation, self.taken = segmentation, taken
 
 
 def segment_scalar_shape(segments: int, tag: int = 0) -> Tuple[int, ...]:
@@ -457,7 +477,7 @@ class SegmentedMode(TorchFunctionMode):
     """Run an optimizer's ``step`` on segmented runs, computing every whole-parameter reduction per parameter."""
 
     def __init__(self, segmentations: Iterable[Segmentation], known_reductions_only: bool = False,
-                 lone_lists_over_runs: bool = False, notes: Optional[StepNotes] = None):
+                 lone_lists_over_runs: bool = False, notes: Optional[StepNotes] = None, journal: bool = False):
         """``known_reductions_only``: compute every reduction from block partials, as a compiled
         step does, and refuse any other (implied for shards: only those partials combine across ranks).
 
@@ -465,8 +485,13 @@ class SegmentedMode(TorchFunctionMode):
         per-parameter values is a list over runs (the group's list of one run: AvaGrad's
         ``stack([norm(r) for r in roots])``), not that run's values stacked per parameter (what
         ``clip_grad_norm_(p)`` builds for one parameter). A list of two runs or more is always
-        a list over runs. Which one a lone list is, the probes find out (``_paths``)."""
+        a list over runs. Which one a lone list is, the probes find out (``_paths``).
+
+        ``journal``: keep a copy of every run and per-parameter value before the step first writes
+        it in place, so that a step whose branches disagree (:class:`BranchesDisagree`) can be
+        undone (:meth:`undo`) and taken per parameter; :meth:`forget` drops the copies."""
         super().__init__()
+        self.journal: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = {} if journal else None
         self.lone_lists_over_runs = lone_lists_over_runs
         self.notes = notes if notes is not None else StepNotes()
         segmentations = list(segmentations)
@@ -479,6 +504,37 @@ class SegmentedMode(TorchFunctionMode):
                 raise ValueError("two runs of one segmented step must differ in shape and in segment scalar shape")
             self.by_shape[seg.shape] = seg
             self.by_scalar_shape[seg.scalar_shape] = seg
+
+    # ------------------------------------------------------------------ undoing a step
+    def undo(self) -> None:
+        """Put every tensor the step wrote in place back as it was before its first write."""
+        with torch.no_grad():
+            for tensor, copy in self.journal.values():
+                tensor.copy_(copy)
+        self.journal.clear()
+
+    def forget(self) -> None:
+        if self.journal:
+            self.journal.clear()
+
+    def _record_writes(self, func, args, kwargs) -> None:
+        targets = [args[0]] if (func in _IN_PLACE or func is torch.Tensor.__setitem__) and args else []
+        out = kwargs.get("out")
+        targets += list(out) if isinstance(out, (tuple, list)) else [out]
+        for t in targets:
+            if isinstance(t, torch.Tensor) and id(t) not in self.journal and self._kind(t)[0] in ("run", "scalar"):
+                self.journal[id(t)] = (t, t.detach().clone())
+
+    def _branch(self, value: torch.Tensor, seg: Segmentation) -> bool:
+        """``bool()`` of one value per parameter: the way every parameter takes, if they agree."""
+        taken = value.reshape(seg.segments) != 0
+        self.notes.value_branches = True
+        if bool(taken.all()):
+            return True
+        if not bool(taken.any()):
+            return False
+        raise BranchesDisagree(f"a Python branch on one value per parameter goes one way for {int(taken.sum())} "
+                               f"of {seg.segments} parameters and the other way for the rest", seg, taken.tolist())
 
     # ------------------------------------------------------------------ what a tensor is
     def _kind(self, t: torch.Tensor) -> Tuple[str, Optional[Segmentation]]:
@@ -512,6 +568,8 @@ class SegmentedMode(TorchFunctionMode):
             if stacks:
                 return self._on_stacks(func, stacks, args, kwargs)
             return func(*args, **kwargs)
+        if self.journal is not None and (func in _IN_PLACE or func is torch.Tensor.__setitem__ or "out" in kwargs):
+            self._record_writes(func, args, kwargs)
         if func in _FOREACH:  # a loop over its lists: each element on its own (one run each)
             return self._foreach(func, _FOREACH[func], args, kwargs)
         if stacks:
@@ -527,6 +585,10 @@ class SegmentedMode(TorchFunctionMode):
         if len(segs) > 1:
             raise NotSegmentable(f"{_name(func)} mixes tensors of two different runs")
         (seg,) = segs.values()
+        if (func is torch.Tensor.__bool__ and kinds == {"scalar"} and not self.known_reductions_only
+                and not torch.compiler.is_compiling()):
+            # ``if norm == 0:`` per parameter: exact where every parameter goes the same way
+            return self._branch(args[0], seg)
         if func in _VALUE_READS:
             raise NotSegmentable(f"the step reads a tensor's value into Python ({_name(func)}), so its control "
                                  "flow may differ per parameter")

@@ -30,7 +30,7 @@ from ._layout import FlatLayout, FusionConfig, is_sharded
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
 from ._planner import Run, StepPlan, StepPlanner
 from ._probe import _PROBE_STEPS, probe_per_tensor_calls
-from ._segmented import NotSegmentable, SegmentedMode
+from ._segmented import BranchesDisagree, NotSegmentable, SegmentedMode
 from ._state_dict import StateDictHooks
 from ._verify import verified
 from ._torch_compat import mark_step_taken, step_keeping_lr_scheduler_marker, unwrapped_step
@@ -124,6 +124,9 @@ class FusionReport:
     laid_out_params: int = 0  # tensors that live in flat buffers (whatever the last step did)
     kept_per_tensor_params: int = 0  # tensors the layout keeps out of flat buffers
     last_step: str = "none"  # "none" (no step yet), "fused" or "plain" (optimizer.step() without fusion)
+    # fused steps whose segmented parameters were taken per parameter: a Python branch of the step
+    # on per-parameter values went different ways for them (``if weight_norm == 0:``)
+    branch_fallback_steps: int = 0
 
     def __str__(self) -> str:
         total = self.laid_out_params + self.kept_per_tensor_params
@@ -148,6 +151,7 @@ class FusionStats:
     last_step: LastStep = LastStep.NONE
     last_fused_params: int = 0
     last_per_tensor_params: int = 0
+    branch_fallback_steps: int = 0
     last_runs: int = 0
     last_step_compiled: bool = False
 
@@ -476,8 +480,24 @@ class Fusion:
             call(plan.group_params, lambda: self._run_per_tensor_step(plan))
         elif any(plan.group_params) or not plan.segmented_calls:
             call(plan.group_params, lambda: self._run_optimizer_step(plan))
+        branched = False
         for params, segmentations in plan.segmented_calls:
-            call(params, lambda segmentations=segmentations: self._run_segmented_step(segmentations))
+            try:
+                call(params, lambda segmentations=segmentations: self._run_segmented_step(segmentations))
+            except BranchesDisagree as exc:
+                # undone (the mode's journal, the run state, and the bookkeeping as the next call
+                # starts): these parameters take the optimizer's own step, each on its own
+                branched = True
+                self.layout.warn_once(
+                    "branches",
+                    f"{type(optimizer).__name__}: {exc} on step {self.steps_seen + 1}; those parameters took "
+                    "that step per parameter, and their run is cut where they differ for the steps to come "
+                    "(exact; fusion_report(opt).branch_fallback_steps counts such steps)",
+                    stacklevel=6,  # (+1 in warn_once) _fused_step_once <- _fused_step <- Fusion.step <- hook <- user
+                )
+                self.planner.split_where_branches_differ(plan, exc.segmentation, exc.taken)
+                call(self.planner.per_parameter(plan, swapped, params), self._run_own_step)
+        self.stats.branch_fallback_steps += branched
         self.stats.last_step_compiled = all(compiled)
         self.layout.note_own_keys()
         self.planner.write_back(plan, swapped)
@@ -517,6 +537,13 @@ class Fusion:
         with self._eager_grad_mode(strips_grad_mode):
             if checked:
                 self._check_dry(raw_step, checked)
+            self._call_raw(raw_step)
+        return False
+
+    def _run_own_step(self) -> bool:
+        """The optimizer's own eager step over whatever parameters its groups hold now."""
+        raw_step, strips_grad_mode = unwrapped_step(type(self.optimizer))
+        with self._eager_grad_mode(strips_grad_mode):
             self._call_raw(raw_step)
         return False
 
@@ -581,9 +608,14 @@ class Fusion:
         raw_step, strips_grad_mode = unwrapped_step(type(optimizer))
         key = tuple(seg.key for seg in segmentations)
         if key not in self.segmented:
-            compiled = None if self.compiled_step is None or self._segmented_compile_refused() else CompiledStep()
-            mode = SegmentedMode(segmentations, lone_lists_over_runs=any(
-                group.lone_lists_over_runs for group in self.layout.groups.values()))
+            groups = self.layout.groups.values()
+            # a step that branches on per-parameter values keeps a journal, to be undone where they
+            # disagree; it stays eager (a compiled step cannot branch on a tensor's value)
+            branches = any(group.value_branches for group in groups)
+            compiled = None if branches or self.compiled_step is None or self._segmented_compile_refused() \
+                else CompiledStep()
+            mode = SegmentedMode(segmentations, lone_lists_over_runs=any(group.lone_lists_over_runs for group in groups),
+                                 journal=branches)
             if compiled is not None:  # the compiled step's per-block index, built once per layout
                 for group in optimizer.param_groups:
                     for proxy in group["params"]:
@@ -598,15 +630,26 @@ class Fusion:
         if (compiled is not None and compiled.disabled_reason is None and self._replay is None and not creates_state
                 and compiled(optimizer, raw_step, mode)):
             return True
+        run_state = [] if mode.journal is None else [  # entries the step may add, replace or remove
+            (entry, dict(entry)) for group in optimizer.param_groups for entry in
+            (optimizer.state.get(proxy) for proxy in group["params"]) if entry is not None]
         try:
             with self._eager_grad_mode(strips_grad_mode), mode:
                 self._call_raw(raw_step)
+        except BranchesDisagree:
+            mode.undo()
+            for entry, saved in run_state:
+                entry.clear()
+                entry.update(saved)
+            raise
         except NotSegmentable as exc:
             raise FusionError(
                 f"{type(optimizer).__name__}'s step did something on this step that its probe did not see "
                 f"({exc}); some parameters may already be updated this step. Restore the last checkpoint and "
                 "train with this optimizer unfused."
             ) from exc
+        finally:
+            mode.forget()
         return False
 
     def remove(self) -> None:
@@ -822,4 +865,5 @@ def fusion_report(optimizer) -> FusionReport:
         laid_out_params=layout.fused_params(),
         kept_per_tensor_params=layout.per_tensor_params(),
         last_step={LastStep.NONE: "none", LastStep.FUSED: "fused"}.get(stats.last_step, "plain"),
+        branch_fallback_steps=stats.branch_fallback_steps,
     )

@@ -1,9 +1,11 @@
-"""Every optimizer of pytorch-optimizer, fused as a user would fuse it, against its own unfused step.
+"""Every optimizer of pytorch-optimizer (or torch-optimizer), fused as a user would fuse it, against
+its own unfused step.
 
 Used by ``tests/test_third_party_optimizers.py``; also a script that prints one line per optimizer
 and the counts of each outcome::
 
     python tests/_optimizer_sweep.py [NAME ...]
+    python tests/_optimizer_sweep.py --collection torch_optimizer [NAME ...]
 
 The model has 1-D, 2-D, 3-D and ``(1,)``-shaped parameters, one parameter that never gets a
 gradient, and two param groups; the loop zeroes gradients with ``set_to_none=True``.
@@ -127,20 +129,32 @@ def sweep_one(name: str, cls) -> Outcome:
     return Outcome(name, kind, "; ".join(reasons)[:200])
 
 
-def optimizer_classes(names: Optional[List[str]] = None):
+def optimizer_classes(names: Optional[List[str]] = None, collection: str = "pytorch_optimizer"):
+    """``(name, class)`` of a collection's optimizers: ``pytorch_optimizer`` (its registry) or
+    ``torch_optimizer`` (every ``torch.optim.Optimizer`` subclass the package exports)."""
+    if collection == "torch_optimizer":
+        import torch_optimizer
+
+        found = {n: c for n, c in vars(torch_optimizer).items()
+                 if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+        return [(n, found[n]) for n in (names or sorted(found))]
     import pytorch_optimizer
 
     names = names or pytorch_optimizer.get_supported_optimizers()
     return [(n, pytorch_optimizer.load_optimizer(n)) for n in names]
 
 
-def sweep(names: Optional[List[str]] = None) -> List[Outcome]:
-    return [sweep_one(n, cls) for n, cls in optimizer_classes(names)]
+def sweep(names: Optional[List[str]] = None, collection: str = "pytorch_optimizer") -> List[Outcome]:
+    return [sweep_one(n, cls) for n, cls in optimizer_classes(names, collection)]
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    outcomes = sweep(sys.argv[1:] or None)
+    argv = sys.argv[1:]
+    collection = "pytorch_optimizer"
+    if argv[:1] == ["--collection"]:
+        collection, argv = argv[1], argv[2:]
+    outcomes = sweep(argv or None, collection)
     counts: Dict[str, int] = {}
     for o in outcomes:
         counts[o.kind] = counts.get(o.kind, 0) + 1
