@@ -13,7 +13,6 @@ gradient, and two param groups; the loop zeroes gradients with ``set_to_none=Tru
 
 from __future__ import annotations
 
-import copy
 import sys
 import traceback
 import warnings
