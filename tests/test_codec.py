@@ -76,6 +76,26 @@ def test_small_buckets_stay_eager_by_default_and_the_setting_is_checked(monkeypa
         MinMaxUInt8(compile="always")
 
 
+@pytest.mark.parametrize("zero_exact", [True, False])
+def test_codes_stay_within_the_levels_without_a_clamp(zero_exact):
+    """The min-max code needs no clamp to [0, 255] (its rows - lo is within [0, span]); the zero-exact
+    one needs its upper clamp where both halves of a range round up. Against a clamped code."""
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(4096, 64, generator=g) * torch.logspace(-30, 30, 4096).unsqueeze(1),
+            torch.rand(512, 64, generator=g).round() * 3 - 1.5,  # two values per row
+            torch.full((8, 64), 7.0), torch.tensor([[-1.0, 1.0] * 32])]  # both halves of the range at .5
+    for r in rows:
+        lo, hi = r.amin(1, keepdim=True), r.amax(1, keepdim=True)
+        if zero_exact:
+            lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+        scale = torch.where(hi - lo > 0, 255 / (hi - lo), torch.zeros_like(lo))
+        if zero_exact:
+            expected = ((r * scale).round() + (-lo * scale).round()).clamp(0, 255)
+        else:
+            expected = ((r - lo) * scale).round().clamp(0, 255)
+        assert torch.equal(bytegrad._encode_rows(r, zero_exact, 255)[:, 8:], expected.to(torch.uint8))
+
+
 # ---------------------------------------------------------------------- ByteGrad against plain torch, 2 and 3 ranks
 def _reference_quantize(values):
     """Min-max uint8 over blocks of BLOCK elements, 0 exact: (codes, step, zero) per block."""
@@ -106,7 +126,7 @@ def _reference_bytegrad(flats, size):
     return torch.cat(result)[:n]
 
 
-def _broken_encode_rows(rows, zero_exact, levels):
+def _broken_encode_parts(rows, zero_exact, levels):
     """The codec with a wrong rounding (floor): the reference comparison must catch it."""
     lo = rows.amin(dim=1, keepdim=True).clamp(max=0)
     hi = rows.amax(dim=1, keepdim=True).clamp(min=0)
@@ -114,7 +134,7 @@ def _broken_encode_rows(rows, zero_exact, levels):
     scale = torch.where(span > 0, levels / span, torch.zeros_like(span))
     zero = (-lo * scale).round()
     codes = (rows * scale).floor().add(zero).clamp(0, levels).to(torch.uint8)
-    return torch.cat([torch.cat([span / levels, zero], dim=1).view(torch.uint8), codes], dim=1)
+    return torch.cat([span / levels, zero], dim=1), codes
 
 
 def _bytegrad_vs_reference(rank, world, broken):
@@ -124,7 +144,7 @@ def _bytegrad_vs_reference(rank, world, broken):
     from bagua_integrations.distributed import comm
 
     if broken:
-        bytegrad._encode_rows = _broken_encode_rows
+        bytegrad._encode_parts = _broken_encode_parts
     codec = MinMaxUInt8(zero_exact=True, block=BLOCK, compile=True)
     algorithm = get_algorithm("bytegrad", hierarchical=False, codec=codec)
     g = torch.Generator().manual_seed(rank)
