@@ -507,9 +507,11 @@ class SegmentedMode(TorchFunctionMode):
 
     # ------------------------------------------------------------------ undoing a step
     def undo(self) -> None:
-        """Put every tensor the step wrote in place back as it was before its first write."""
+        """Put every tensor the step wrote in place back as it was before its first write. Latest
+        first: of two aliases of one memory (``p`` and ``p.data``), the one recorded first holds
+        what the memory held before the step, and is put back last."""
         with torch.no_grad():
-            for tensor, copy in self.journal.values():
+            for tensor, copy in reversed(list(self.journal.values())):
                 tensor.copy_(copy)
         self.journal.clear()
 
@@ -518,6 +520,8 @@ class SegmentedMode(TorchFunctionMode):
             self.journal.clear()
 
     def _record_writes(self, func, args, kwargs) -> None:
+        """Copy each run- or per-parameter-shaped tensor ``func`` writes in place, before its first
+        write (any such tensor: ``p.data`` is another object for the same memory as ``p``)."""
         targets = [args[0]] if (func in _IN_PLACE or func is torch.Tensor.__setitem__) and args else []
         out = kwargs.get("out")
         targets += list(out) if isinstance(out, (tuple, list)) else [out]

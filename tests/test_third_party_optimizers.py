@@ -500,8 +500,8 @@ def test_random_initial_state_drawn_in_buffer_order_must_differ(monkeypatch):
 class FirstNormSGD(torch.optim.Optimizer):
     """NovoGrad's Python branch on a per-parameter value: the second moment is one value per
     parameter, set to the first gradient norm it sees (``if v == 0:``), averaged afterwards. A
-    momentum buffer and the group's step count are written before the branch, so a step undone
-    at the branch must undo them too."""
+    momentum buffer, the group's step count and the parameter (through ``p.data``, then ``p``: two
+    objects for one memory) are written before the branch, so a step undone there undoes them."""
 
     def __init__(self, params, lr=0.05):
         super().__init__(params, dict(lr=lr))
@@ -518,6 +518,8 @@ class FirstNormSGD(torch.optim.Optimizer):
                     state["v"] = torch.zeros(())
                     state["m"] = torch.zeros_like(p)
                 state["m"].mul_(0.9).add_(p.grad)
+                p.data.mul_(1 - 1e-3)  # decoupled weight decay, as older optimizers write it
+                p.add_(state["m"], alpha=-1e-3)
                 norm = p.grad.pow(2).sum()
                 if state["v"] == 0:
                     state["v"].copy_(norm)
@@ -582,6 +584,23 @@ def test_a_step_undone_at_a_branch_must_restore_what_it_wrote(monkeypatch):
     """Deliberately broken: the journal is dropped instead of put back (the momentum buffers the
     step wrote before the branch are then written twice)."""
     monkeypatch.setattr(_segmented.SegmentedMode, "undo", lambda self: self.journal.clear())
+    plain, _ = _dead_weight_run(fused=False)
+    with pytest.warns(FusionFallbackWarning):
+        fused, _ = _dead_weight_run(fused=True)
+    with pytest.raises(AssertionError):
+        assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_undone_at_a_branch_must_put_aliases_back_latest_first(monkeypatch):
+    """Deliberately broken: ``p`` put back after ``p.data`` (it was recorded after the weight decay
+    through ``p.data`` had been applied)."""
+    def undo_in_order(self):
+        with torch.no_grad():
+            for tensor, copy in self.journal.values():
+                tensor.copy_(copy)
+        self.journal.clear()
+
+    monkeypatch.setattr(_segmented.SegmentedMode, "undo", undo_in_order)
     plain, _ = _dead_weight_run(fused=False)
     with pytest.warns(FusionFallbackWarning):
         fused, _ = _dead_weight_run(fused=True)
