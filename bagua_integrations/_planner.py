@@ -361,11 +361,12 @@ class StepPlanner:
         self._state_written = True  # the optimizer steps each parameter's own state entry
         return plan
 
-    def split_where_branches_differ(self, plan: StepPlan, seg: Segmentation, taken: List[bool]) -> None:
+    def split_where_branches_differ(self, plan: StepPlan, seg: Segmentation, taken: Optional[List[bool]]) -> None:
         """Cut the run of ``seg`` where its parameters took different ways at a Python branch, for
-        the steps to come: each part then takes one way, as long as they keep to them."""
+        the steps to come: each part then takes one way, as long as they keep to them. (``taken``
+        None: a value read that differed, not a branch; cutting by value would leave no runs.)"""
         run = next((run for run in plan.runs if run.segmentation is seg), None)
-        if run is None:
+        if run is None or taken is None:
             return
         for slot, way in zip(run.slots, taken):
             slot.branch = self._branch_classes.setdefault((slot.branch, bool(way)), len(self._branch_classes) + 1)

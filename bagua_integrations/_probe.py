@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from collections import Counter
@@ -55,6 +56,59 @@ class _SizeReads(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 self.read = self.read or args[0].numel() == self.numel
         return func(*args, **(kwargs or {}))
+
+
+_PREDICATES = {torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.is_nonzero,
+               torch.Tensor.is_nonzero}
+_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__,
+          torch.Tensor.__index__, torch.Tensor.tolist}
+
+
+class _ReducedValueReads(TorchFunctionMode):
+    """Counts the values a step reads into Python that it reduced from parameter-sized tensors
+    (``if grad.abs().sum() == 0: continue``, ``torch.equal(p, zeros)``).
+
+    Read once per parameter by the per-tensor step and once on the flat tensor, such a value is a
+    per-parameter predicate that the flat step evaluates over every parameter at once: the
+    probes' tensors take the same way either way (no gradient of theirs is all zero), real ones
+    need not. A value reduced from the whole group (D-Adaptation's sums, read once a step) is read
+    as often either way. "Reduced from": the result of a call with a tensor of one of ``sizes``
+    elements among its inputs and fewer elements in its output, or of any call on such a result."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: frozenset = frozenset()
+        self.reads = 0
+        self._reduced: Dict[int, Any] = {}  # id -> weakref of tensors reduced from parameter-sized ones
+
+    def counting(self, sizes):
+        self.sizes = frozenset(sizes)
+        return self
+
+    def _is_reduced(self, t) -> bool:
+        ref = self._reduced.get(id(t))
+        return ref is not None and ref() is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
+            v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        if not tensors:
+            return out
+        with torch._C.DisableTorchFunction():
+            reduced = any(self._is_reduced(t) for t in tensors)
+            largest = max((t.numel() for t in tensors if t.numel() in self.sizes), default=0)
+            if func in _READS or func in _PREDICATES:
+                if reduced or (func in _PREDICATES and largest):
+                    self.reads += 1
+                return out
+            results = [out] if isinstance(out, torch.Tensor) else [
+                o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list)) else []
+            for r in results:
+                if reduced or (largest and r.numel() < largest):
+                    self._reduced[id(r)] = weakref.ref(r)
+        return out
 
 
 def _keeps_rng(probe):
@@ -302,15 +356,17 @@ def probe_elementwise(
     sizes = _SizeReads(flat.numel())
     flat_numel = {flat.numel(): {0}}  # what the flat tensor's operations are watched by
     closure = _Closure()
+    reads_per_tensor, reads_flat = _ReducedValueReads(), _ReducedValueReads()
     with _untouched(optimizer):
         try:
             for n, step_grads in enumerate(grads):
                 for p, g in zip(per_tensor, step_grads):
                     p.grad = g.clone()
                 flat.grad = _padded_cat(step_grads)
-                with _replayed_rng(device):
+                with _replayed_rng(device), reads_per_tensor.counting(t.numel() for t in per_tensor if t.numel() > 1):
                     closure.step(step, opt_a, n)
-                with watched(dict(flat_numel)) as watch, sizes:
+                # (the read counter outermost: its own size reads stay out of the other modes' sight)
+                with reads_flat.counting([flat.numel()]), watched(dict(flat_numel)) as watch, sizes:
                     closure.step(step, opt_b, n)
                 if mixing is not None:
                     mixing |= watch.findings[0]
@@ -321,6 +377,10 @@ def probe_elementwise(
         return reason
     if sizes.read:
         return "its step reads a parameter's size (numel, len, size or shape), which a flat tensor changes"
+    if reads_per_tensor.reads > reads_flat.reads:
+        return (f"its step reads into Python values it reduces from each parameter ({reads_per_tensor.reads} "
+                f"per tensor, {reads_flat.reads} flat over {_PROBE_STEPS} steps: `if grad.abs().sum() == 0:`), "
+                "which the flat tensor would answer for every parameter at once")
     try:
         return _compare_flat(opt_a, per_tensor, opt_b, flat, init)
     except Exception as exc:  # state the comparison cannot read (e.g. dicts of tensors)

@@ -62,6 +62,12 @@ _WHOLE_REDUCTIONS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, to
                      torch.Tensor.mean, torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.max,
                      torch.Tensor.max, torch.min, torch.Tensor.min, torch.dot, torch.Tensor.dot}
 _FOREACH_IN_PLACE = {f for f, base in _FOREACH.items() if base.endswith("_")}
+# Python values read from tensors that a step may branch on, per parameter: taken where every
+# parameter gives the same (``SegmentedMode._value_per_parameter``)
+_PYTHON_VALUES = {torch.allclose, torch.Tensor.allclose, torch.equal, torch.Tensor.equal, torch.is_nonzero,
+                  torch.Tensor.is_nonzero}
+_SCALAR_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__,
+                 torch.Tensor.__index__}
 _STACKS = {torch.stack, torch.cat, torch.concat, torch.concatenate}
 _ELEMENT_COUNTS = {torch.Tensor.numel, torch.Tensor.nelement, torch.numel}
 # Shape-only functions: on one value per parameter, the per-parameter result is that one value again.
@@ -94,11 +100,12 @@ class NotSegmentable(RuntimeError):
 
 class BranchesDisagree(NotSegmentable):
     """A Python branch on one value per parameter (``if exp_avg_sq == 0:``) that the parameters of a
-    run take different ways: their step must be taken per parameter. Raised before anything of the
-    branch runs; what the step wrote before it, the mode's journal undoes. ``taken``: the way each
-    segment of ``segmentation`` goes (the planner cuts the run there for later steps)."""
+    run take different ways, or a value read into Python (``norm.item()``) that differs between
+    them: their step must be taken per parameter. Raised before the step uses the value; what it
+    wrote before, the mode's journal undoes. ``taken``: for a branch, the way each segment of
+    ``segmentation`` goes (the planner cuts the run there for later steps); None for a value."""
 
-    def __init__(self, message: str, segmentation: "Segmentation", taken: List[bool]):
+    def __init__(self, message: str, segmentation: "Segmentation", taken: Optional[List[bool]]):
         super().__init__(message)
         self.segmentation, self.taken = segmentation, taken
 
@@ -529,16 +536,23 @@ class SegmentedMode(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and id(t) not in self.journal and self._kind(t)[0] in ("run", "scalar"):
                 self.journal[id(t)] = (t, t.detach().clone())
 
-    def _branch(self, value: torch.Tensor, seg: Segmentation) -> bool:
-        """``bool()`` of one value per parameter: the way every parameter takes, if they agree."""
-        taken = value.reshape(seg.segments) != 0
+    def _value_per_parameter(self, func, seg: Segmentation, args, kwargs):
+        """A Python value the step reads from each parameter's own values (``if norm == 0:``,
+        ``torch.allclose(a, b)``, ``norm.item()``): the one every parameter gives, where they agree."""
+        if self.known_reductions_only or torch.compiler.is_compiling():
+            raise NotSegmentable(f"the step reads a tensor's value into Python ({_name(func)}), which a compiled "
+                                 "step cannot follow (nor one over shards)")
+        values = self._each_segment(func, seg, args, kwargs)
         self.notes.value_branches = True
-        if bool(taken.all()):
-            return True
-        if not bool(taken.any()):
-            return False
-        raise BranchesDisagree(f"a Python branch on one value per parameter goes one way for {int(taken.sum())} "
-                               f"of {seg.segments} parameters and the other way for the rest", seg, taken.tolist())
+        first = values[0]
+        if all(v == first for v in values):
+            return first
+        if all(isinstance(v, bool) for v in values):
+            raise BranchesDisagree(f"a Python branch on one value per parameter ({_name(func)}) goes one way for "
+                                   f"{sum(values)} of {seg.segments} parameters and the other way for the rest",
+                                   seg, values)
+        raise BranchesDisagree(f"the step reads one value per parameter into Python ({_name(func)}), and they "
+                               "differ between parameters", seg, None)
 
     # ------------------------------------------------------------------ what a tensor is
     def _kind(self, t: torch.Tensor) -> Tuple[str, Optional[Segmentation]]:
@@ -589,10 +603,9 @@ class SegmentedMode(TorchFunctionMode):
         if len(segs) > 1:
             raise NotSegmentable(f"{_name(func)} mixes tensors of two different runs")
         (seg,) = segs.values()
-        if (func is torch.Tensor.__bool__ and kinds == {"scalar"} and not self.known_reductions_only
-                and not torch.compiler.is_compiling()):
+        if func in _PYTHON_VALUES or (func in _SCALAR_READS and kinds == {"scalar"}):
             # ``if norm == 0:`` per parameter: exact where every parameter goes the same way
-            return self._branch(args[0], seg)
+            return self._value_per_parameter(func, seg, args, kwargs)
         if func in _VALUE_READS:
             raise NotSegmentable(f"the step reads a tensor's value into Python ({_name(func)}), so its control "
                                  "flow may differ per parameter")
@@ -652,6 +665,15 @@ class SegmentedMode(TorchFunctionMode):
                                  "not combined across shards)")
         if torch.compiler.is_compiling() or self.known_reductions_only:
             return self._per_segment_compiled(func, seg, args, kwargs)
+        values = self._each_segment(func, seg, args, kwargs)
+        first = values[0]
+        if isinstance(first, tuple) and all(isinstance(v, torch.Tensor) for v in first):
+            parts = [_gathered(func, seg, [v[j] for v in values], along_dims) for j in range(len(first))]
+            return type(first)(parts) if hasattr(first, "n_fields") else tuple(parts)  # (return_types keep names)
+        return _gathered(func, seg, values, along_dims)
+
+    def _each_segment(self, func, seg: Segmentation, args, kwargs) -> List[Any]:
+        """``func`` on each segment: runs as its parameter-shaped view, segment scalars as its value."""
         views: Dict[int, List[torch.Tensor]] = {}
         scalars: Dict[int, torch.Tensor] = {}
 
@@ -676,11 +698,7 @@ class SegmentedMode(TorchFunctionMode):
         for i in range(seg.segments):
             a, k = piece(i)
             values.append(func(*a, **k))
-        first = values[0]
-        if isinstance(first, tuple) and all(isinstance(v, torch.Tensor) for v in first):
-            parts = [_gathered(func, seg, [v[j] for v in values], along_dims) for j in range(len(first))]
-            return type(first)(parts) if hasattr(first, "n_fields") else tuple(parts)  # (return_types keep names)
-        return _gathered(func, seg, values, along_dims)
+        return values
 
     def _per_segment_compiled(self, func, seg: Segmentation, args, kwargs) -> torch.Tensor:
         spec = _reduction_spec(func, args, kwargs)

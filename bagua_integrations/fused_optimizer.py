@@ -636,21 +636,28 @@ class Fusion:
         try:
             with self._eager_grad_mode(strips_grad_mode), mode:
                 self._call_raw(raw_step)
-        except BranchesDisagree:
+        except BranchesDisagree as exc:
+            if mode.journal is None:  # a branch the probes did not see: nothing recorded to undo
+                raise self._partly_applied(exc) from exc
             mode.undo()
             for entry, saved in run_state:
                 entry.clear()
                 entry.update(saved)
             raise
         except NotSegmentable as exc:
-            raise FusionError(
-                f"{type(optimizer).__name__}'s step did something on this step that its probe did not see "
-                f"({exc}); some parameters may already be updated this step. Restore the last checkpoint and "
-                "train with this optimizer unfused."
-            ) from exc
+            raise self._partly_applied(exc) from exc
         finally:
             mode.forget()
+        if mode.journal is None and mode.notes.value_branches:
+            mode.journal = {}  # it branched on per-parameter values, unseen by the probes: undoable from now on
         return False
+
+    def _partly_applied(self, exc: Exception) -> FusionError:
+        return FusionError(
+            f"{type(self.optimizer).__name__}'s step did something on this step that its probe did not see "
+            f"({exc}); some parameters may already be updated this step. Restore the last checkpoint and "
+            "train with this optimizer unfused."
+        )
 
     def remove(self) -> None:
         """Remove every hook this fusion installed."""

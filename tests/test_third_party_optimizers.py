@@ -530,12 +530,12 @@ class FirstNormSGD(torch.optim.Optimizer):
 
 
 class DeadWeightNet(RankedNet):
-    """A zero weight that never gets a non-zero gradient, next to a live one of its rank (one run):
-    ``v`` stays 0 for it only, so the run's parameters take different ways at ``if v == 0:``."""
+    """A weight that never gets a non-zero gradient, next to live ones of its rank (one run): it
+    alone goes one way at ``if v == 0:`` (``v``: its gradient norms) or ``if torch.equal(grad, 0):``."""
 
     def __init__(self):
         super().__init__()
-        self.dead = torch.nn.Parameter(torch.zeros(3, 4))
+        self.dead = torch.nn.Parameter(torch.full((3, 4), 0.5))
 
     def forward(self, x):
         return super().forward(x) + 0 * self.dead.sum()
@@ -616,6 +616,103 @@ def test_without_cutting_the_run_every_step_is_taken_per_parameter(monkeypatch):
     with pytest.warns(FusionFallbackWarning):
         fused, opt = _dead_weight_run(fused=True)
     assert fusion_report(opt).branch_fallback_steps == 7  # still exact, never fused
+    assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
+
+
+class SkipZeroGradSGD(torch.optim.Optimizer):
+    """A branch on a Python bool computed from each parameter's values (``torch.equal``): a
+    parameter whose gradient is all zeros is skipped (no weight decay either). On a flat tensor or
+    a run, ``torch.equal`` would answer for every parameter at once."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or torch.equal(p.grad, torch.zeros_like(p.grad)):
+                    continue
+                p.mul_(1 - 0.1 * group["lr"])
+                p.sub_(p.grad, alpha=group["lr"])
+        return None
+
+
+class CountedSGD(torch.optim.Optimizer):
+    """A per-parameter step count kept as a tensor and read with ``.item()``: one value for every
+    parameter of a run, so the step is followed on runs."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["t"] = torch.zeros(())
+                state["t"] += 1
+                p.sub_(p.grad / p.grad.norm(), alpha=group["lr"] / state["t"].item() ** 0.5)
+        return None
+
+
+def _dead_weight_model_run(make, fused):
+    model = DeadWeightNet()
+    opt = make(model.groups())
+    if fused:
+        fuse_optimizer(opt, compile=False)
+    for x, y in _ranked_batches(6):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.fuse_step() if fused else opt.step()
+    return model, opt
+
+
+def test_a_python_bool_from_each_parameters_values_is_per_parameter():
+    plain, _ = _dead_weight_model_run(SkipZeroGradSGD, fused=False)
+    with pytest.warns(FusionFallbackWarning, match=r"\(equal\) goes one way for 1 of 3 parameters"):
+        fused, opt = _dead_weight_model_run(SkipZeroGradSGD, fused=True)
+    assert fusion_report(opt).group_paths == ["segmented", "segmented"]
+    assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
+
+
+def test_a_python_bool_over_a_whole_run_must_differ(monkeypatch):
+    """Deliberately broken: ``torch.equal`` of the whole run, one answer for all its parameters."""
+    monkeypatch.setattr(_segmented, "_PYTHON_VALUES", set())
+    monkeypatch.setattr(_segmented, "_SCALAR_READS", set())
+    plain, _ = _dead_weight_model_run(SkipZeroGradSGD, fused=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused, opt = _dead_weight_model_run(SkipZeroGradSGD, fused=True)
+    assert fusion_report(opt).group_paths == ["segmented", "segmented"]  # the probes did not see it
+    with pytest.raises(AssertionError):
+        assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
+
+
+def test_a_per_parameter_predicate_is_not_elementwise(monkeypatch):
+    """The elementwise probe counts the values a step reads from reductions of each parameter
+    (here ``torch.equal`` of each gradient): per tensor once per parameter, flat once. Broken: not
+    counted, the step is taken elementwise, and the flat tensor answers for every parameter."""
+    from bagua_integrations import _probe
+
+    assert "reads into Python values it reduces from each parameter" in fusion_report(
+        fuse_optimizer(SkipZeroGradSGD(DeadWeightNet().parameters()), compile=False)).group_why[0]
+    monkeypatch.setattr(_probe, "_PREDICATES", set())
+    plain, _ = _dead_weight_model_run(SkipZeroGradSGD, fused=False)
+    fused, opt = _dead_weight_model_run(SkipZeroGradSGD, fused=True)
+    assert fusion_report(opt).group_paths == ["elementwise", "elementwise"]
+    with pytest.raises(AssertionError):
+        assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
+
+
+def test_a_value_every_parameter_of_a_run_shares_is_read_on_runs():
+    plain, _ = _ranked_run(CountedSGD, fused=False)
+    fused, opt = _ranked_run(CountedSGD, fused=True)
+    report = fusion_report(opt)
+    assert report.group_paths == ["segmented"] and report.branch_fallback_steps == 0, report
     assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
 
 
