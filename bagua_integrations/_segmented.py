@@ -157,6 +157,9 @@ class Segmentation:
     # Tells this run's segment scalars apart from those of another run of equal segment count
     # stepped in the same call (see ``segment_scalar_shape``; the planner picks it).
     tag: int = 0
+    # A flattened view of another run (``p.view(-1)`` of each parameter): its segment scalars are
+    # the parent's (same segments, same tag).
+    parent: Optional["Segmentation"] = None
 
     def __post_init__(self):
         self.key = f"segmentation{next(_KEYS)}"
@@ -183,6 +186,14 @@ class Segmentation:
     @property
     def scalar_shape(self) -> Tuple[int, ...]:
         return segment_scalar_shape(self.segments, self.tag)
+
+    @cached_property
+    def flattened(self) -> "Segmentation":
+        """This run with each parameter flattened (``p.view(-1)``): rank 1, the same segments."""
+        if len(self.shape) == 1:
+            return self
+        return Segmentation((self.length,), [(start, end, torch.Size([end - start])) for start, end, _ in self.pieces],
+                            self.shard_group, self.shard_numels, self.tag, parent=self)
 
     def expand(self, scalars: torch.Tensor) -> torch.Tensor:
         """A run-shaped tensor holding each segment's value over its segment (1 in the padding).
@@ -574,6 +585,7 @@ class SegmentedMode(TorchFunctionMode):
         segs: Dict[int, Segmentation] = {}
         stacks: Dict[int, "_Stacked"] = {}
         kinds = set()
+        run_segs = set()
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 kind, seg = self._kind(leaf)
@@ -582,6 +594,13 @@ class SegmentedMode(TorchFunctionMode):
                 elif seg is not None:
                     kinds.add(kind)
                     segs[id(seg)] = seg
+                    if kind == "run":
+                        run_segs.add(id(seg))
+        if len(segs) == 2:
+            # a flattened run (``perturb.view(-1)``) with its parent's per-parameter values: the flat one
+            flat = next((s for s in segs.values() if s.parent is not None and id(s) in run_segs), None)
+            if flat is not None and id(flat.parent) in segs and id(flat.parent) not in run_segs:
+                segs = {id(flat): flat}
         if not segs:
             if stacks:
                 return self._on_stacks(func, stacks, args, kwargs)
@@ -603,7 +622,8 @@ class SegmentedMode(TorchFunctionMode):
         if len(segs) > 1:
             raise NotSegmentable(f"{_name(func)} mixes tensors of two different runs")
         (seg,) = segs.values()
-        if func in _PYTHON_VALUES or (func in _SCALAR_READS and kinds == {"scalar"}):
+        if func in _PYTHON_VALUES or (func in _SCALAR_READS and (kinds == {"scalar"} or _one_value_run(
+                next(iter(kinds)), seg))):
             # ``if norm == 0:`` per parameter: exact where every parameter goes the same way
             return self._value_per_parameter(func, seg, args, kwargs)
         if func in _VALUE_READS:
@@ -652,6 +672,12 @@ class SegmentedMode(TorchFunctionMode):
             return out  # elementwise
         if out.numel() == 1 and out.dim() < len(seg.shape) + 1:
             return self._per_segment(func, seg, args, kwargs)
+        if func in _RESHAPES and out.dim() == 1 and out.numel() == seg.length and not torch.compiler.is_compiling():
+            # ``p.view(-1)``: each parameter flattened, as one rank-1 run over the same segments
+            flat = seg.flattened
+            if self.by_shape.setdefault(flat.shape, flat) is not flat:
+                raise NotSegmentable(f"{_name(func)} flattens a run to the shape of another run")
+            return out
         raise NotSegmentable(f"{_name(func)} turns a run of shape {seg.shape} into shape {tuple(out.shape)} "
                              "(a reshape, or a reduction along a dimension)")
 

@@ -488,11 +488,12 @@ class Fusion:
                 # undone (the mode's journal, the run state, and the bookkeeping as the next call
                 # starts): these parameters take the optimizer's own step, each on its own
                 branched = True
+                cut = ", and their run is cut where they differ for the steps to come" if exc.taken else ""
                 self.layout.warn_once(
                     "branches",
                     f"{type(optimizer).__name__}: {exc} on step {self.steps_seen + 1}; those parameters took "
-                    "that step per parameter, and their run is cut where they differ for the steps to come "
-                    "(exact; fusion_report(opt).branch_fallback_steps counts such steps)",
+                    f"that step per parameter{cut} (exact; fusion_report(opt).branch_fallback_steps counts such "
+                    "steps)",
                     stacklevel=6,  # (+1 in warn_once) _fused_step_once <- _fused_step <- Fusion.step <- hook <- user
                 )
                 self.planner.split_where_branches_differ(plan, exc.segmentation, exc.taken)
@@ -636,16 +637,17 @@ class Fusion:
         try:
             with self._eager_grad_mode(strips_grad_mode), mode:
                 self._call_raw(raw_step)
-        except BranchesDisagree as exc:
-            if mode.journal is None:  # a branch the probes did not see: nothing recorded to undo
+        except NotSegmentable as exc:
+            if mode.journal is None:  # nothing recorded to undo (the probes saw no branch on values)
                 raise self._partly_applied(exc) from exc
+            # undone: what it wrote in place, the run state's entries (the bookkeeping: by the caller)
             mode.undo()
             for entry, saved in run_state:
                 entry.clear()
                 entry.update(saved)
-            raise
-        except NotSegmentable as exc:
-            raise self._partly_applied(exc) from exc
+            if isinstance(exc, BranchesDisagree):
+                raise
+            raise BranchesDisagree(str(exc), None, None) from exc
         finally:
             mode.forget()
         if mode.journal is None and mode.notes.value_branches:

@@ -33,7 +33,7 @@ from _fused_utils import TinyNet, assert_same_params, assert_same_state, batches
 # =========================================================================== the real collection
 # a regression floor per collection (pytorch-optimizer 4.1.0, torch-optimizer 0.3.0): (segmented,
 # through flat buffers, dry-run optimizers); a mechanism that breaks drops these counts
-_FLOORS = {"pytorch_optimizer": (23, 82, 50), "torch_optimizer": (2, 18, 12)}
+_FLOORS = {"pytorch_optimizer": (24, 83, 50), "torch_optimizer": (3, 19, 12)}
 
 
 @pytest.mark.parametrize("collection", sorted(_FLOORS))
@@ -713,6 +713,30 @@ def test_a_value_every_parameter_of_a_run_shares_is_read_on_runs():
     fused, opt = _ranked_run(CountedSGD, fused=True)
     report = fusion_report(opt)
     assert report.group_paths == ["segmented"] and report.branch_fallback_steps == 0, report
+    assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
+
+
+class LateTransposeSGD(FirstNormSGD):
+    """FirstNormSGD that, from its 5th step on (after the probes' window), transposes 2-D gradients
+    there and back: the identity per parameter, a reshape of a run that segmented runs refuse."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if group.get("step", 0) >= 4:
+                for p in group["params"]:
+                    if p.grad is not None and p.grad.dim() == 2:
+                        p.grad.copy_(p.grad.t().t())
+        return super().step(closure)
+
+
+def test_what_a_run_cannot_follow_after_the_probes_is_undone_and_taken_per_parameter():
+    """A step whose branches the probes saw keeps a journal: whatever a run cannot follow later
+    (a transpose from step 5 on) is undone and taken per parameter, exact, instead of failing."""
+    plain, _ = _ranked_run(LateTransposeSGD, fused=False)
+    with pytest.warns(FusionFallbackWarning, match="transpose|t turns a run"):
+        fused, opt = _ranked_run(LateTransposeSGD, fused=True)
+    assert fusion_report(opt).branch_fallback_steps == 4  # steps 5 to 8
     assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
 
 
