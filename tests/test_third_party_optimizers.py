@@ -137,8 +137,8 @@ def _ranked_batches(steps):
     return [(torch.randn(5, 2, 4, generator=gen) * 4, torch.randn(5, 2, generator=gen)) for _ in range(steps)]
 
 
-def _ranked_run(make, fused, steps=8, closure=False, model_arg=False, **fuse_kwargs):
-    model = RankedNet()
+def _ranked_run(make, fused, steps=8, closure=False, model_arg=False, net=None, **fuse_kwargs):
+    model = (net or RankedNet)()
     opt = make(model) if model_arg else make(model.parameters())
     if fused:
         fuse_optimizer(opt, compile=False, **fuse_kwargs)
@@ -296,26 +296,40 @@ class GlobalRmsSGD(torch.optim.Optimizer):
         return None
 
 
-class RangeScaledSGD(torch.optim.Optimizer):
-    """Each gradient over its range (ROSE's 1-D rule: ``aminmax`` of the whole parameter), the
-    quotient written with ``out=`` into a state buffer shaped like the parameter."""
+class PerParameterRule(torch.optim.Optimizer):
+    """The skeleton of the optimizers below: :meth:`update` for each parameter with a gradient, in
+    the group's order, after :meth:`start_group`."""
 
     def __init__(self, params, lr=0.05):
         super().__init__(params, dict(lr=lr))
 
+    def start_group(self, group) -> None:
+        """Group-level bookkeeping before the group's parameters (none by default)."""
+
+    def update(self, p, group) -> None:
+        raise NotImplementedError
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
+            self.start_group(group)
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["scaled"] = torch.zeros_like(p)
-                g_min, g_max = p.grad.aminmax()
-                torch.div(p.grad, (g_max - g_min) + 1e-8, out=state["scaled"])
-                p.add_(state["scaled"], alpha=-group["lr"])
+                if p.grad is not None:
+                    self.update(p, group)
         return None
+
+
+class RangeScaledSGD(PerParameterRule):
+    """Each gradient over its range (ROSE's 1-D rule: ``aminmax`` of the whole parameter), the
+    quotient written with ``out=`` into a state buffer shaped like the parameter."""
+
+    def update(self, p, group):
+        state = self.state[p]
+        if not state:
+            state["scaled"] = torch.zeros_like(p)
+        g_min, g_max = p.grad.aminmax()
+        torch.div(p.grad, (g_max - g_min) + 1e-8, out=state["scaled"])
+        p.add_(state["scaled"], alpha=-group["lr"])
 
 
 def _one_run_groups(model):
@@ -384,49 +398,32 @@ def test_aminmax_over_a_whole_run_must_be_refused(monkeypatch):
         fuse_optimizer(RangeScaledSGD(RankedNet().parameters()), compile=False, on_unsupported="raise")
 
 
-class ChannelScaledSGD(torch.optim.Optimizer):
+class ChannelScaledSGD(PerParameterRule):
     """Reductions along dimensions of each parameter, as TAM, Ranger and ROSE make them: the gradient
     centralised per output channel (a mean over dimensions 1.., ``keepdim``), scaled by the spread of
     its channels' ranges (``std_mean`` of a ``keepdim`` result), each column normalised
     (``F.normalize(dim=0)``) and weighted by its largest entry (``max(dim=0)``'s values)."""
 
-    def __init__(self, params, lr=0.05):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                if g.dim() > 1:
-                    dims = tuple(range(1, g.dim()))
-                    g = g - g.mean(dim=dims, keepdim=True)
-                    ranges = g.amax(dim=dims, keepdim=True) - g.amin(dim=dims, keepdim=True)
-                    std, mean = torch.std_mean(ranges, correction=0)
-                    g = g / (mean + std + 1e-8)
-                top = g.abs().max(dim=0, keepdim=True)
-                p.add_(torch.nn.functional.normalize(g, dim=0) * top.values, alpha=-group["lr"])
-        return None
+    def update(self, p, group):
+        g = p.grad
+        if g.dim() > 1:
+            dims = tuple(range(1, g.dim()))
+            g = g - g.mean(dim=dims, keepdim=True)
+            ranges = g.amax(dim=dims, keepdim=True) - g.amin(dim=dims, keepdim=True)
+            std, mean = torch.std_mean(ranges, correction=0)
+            g = g / (mean + std + 1e-8)
+        top = g.abs().max(dim=0, keepdim=True)
+        p.add_(torch.nn.functional.normalize(g, dim=0) * top.values, alpha=-group["lr"])
 
 
-class NeuronNormSGD(torch.optim.Optimizer):
+class NeuronNormSGD(PerParameterRule):
     """Nero's per-neuron norm: ``norm(dim=1)`` without ``keepdim``, viewed back to ``(rows, 1)``. A
     run has no rows to view: refused, with the reason."""
 
-    def __init__(self, params, lr=0.05):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    g = p.grad.reshape(p.shape[0], -1) if p.dim() > 1 else p.grad.reshape(1, -1)
-                    norms = g.norm(dim=1).view(-1, *([1] * (p.dim() - 1)))
-                    p.sub_(p.grad / (norms + 1e-8) if p.dim() > 1 else p.grad, alpha=group["lr"])
-        return None
+    def update(self, p, group):
+        g = p.grad.reshape(p.shape[0], -1) if p.dim() > 1 else p.grad.reshape(1, -1)
+        norms = g.norm(dim=1).view(-1, *([1] * (p.dim() - 1)))
+        p.sub_(p.grad / (norms + 1e-8) if p.dim() > 1 else p.grad, alpha=group["lr"])
 
 
 def test_reductions_along_a_dimension_are_per_parameter():
@@ -452,25 +449,16 @@ def test_a_reduction_along_a_dimension_that_drops_it_keeps_the_exact_step():
     assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
 
 
-class RandomStartSGD(torch.optim.Optimizer):
+class RandomStartSGD(PerParameterRule):
     """Gravity's rule: a random initial velocity per parameter, drawn on its first step, and an
     update scaled by the gradient's largest entry (a whole-parameter reduction: segmented)."""
 
-    def __init__(self, params, lr=0.05):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["v"] = torch.randn_like(p)
-                state["v"].mul_(0.9).add_(p.grad / p.grad.abs().max())
-                p.add_(state["v"], alpha=-group["lr"])
-        return None
+    def update(self, p, group):
+        state = self.state[p]
+        if not state:
+            state["v"] = torch.randn_like(p)
+        state["v"].mul_(0.9).add_(p.grad / p.grad.abs().max())
+        p.add_(state["v"], alpha=-group["lr"])
 
 
 def _random_start_run(fused):
@@ -497,36 +485,29 @@ def test_random_initial_state_drawn_in_buffer_order_must_differ(monkeypatch):
         assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
 
 
-class FirstNormSGD(torch.optim.Optimizer):
+class FirstNormSGD(PerParameterRule):
     """NovoGrad's Python branch on a per-parameter value: the second moment is one value per
     parameter, set to the first gradient norm it sees (``if v == 0:``), averaged afterwards. A
     momentum buffer, the group's step count and the parameter (through ``p.data``, then ``p``: two
     objects for one memory) are written before the branch, so a step undone there undoes them."""
 
-    def __init__(self, params, lr=0.05):
-        super().__init__(params, dict(lr=lr))
+    def start_group(self, group):
+        group["step"] = group.get("step", 0) + 1
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["v"] = torch.zeros(())
-                    state["m"] = torch.zeros_like(p)
-                state["m"].mul_(0.9).add_(p.grad)
-                p.data.mul_(1 - 1e-3)  # decoupled weight decay, as older optimizers write it
-                p.add_(state["m"], alpha=-1e-3)
-                norm = p.grad.pow(2).sum()
-                if state["v"] == 0:
-                    state["v"].copy_(norm)
-                else:
-                    state["v"].mul_(0.9).add_(norm, alpha=0.1)
-                p.sub_(state["m"] / (state["v"].sqrt() + 1e-8), alpha=group["lr"] / group["step"] ** 0.5)
-        return None
+    def update(self, p, group):
+        state = self.state[p]
+        if not state:
+            state["v"] = torch.zeros(())
+            state["m"] = torch.zeros_like(p)
+        state["m"].mul_(0.9).add_(p.grad)
+        p.data.mul_(1 - 1e-3)  # decoupled weight decay, as older optimizers write it
+        p.add_(state["m"], alpha=-1e-3)
+        norm = p.grad.pow(2).sum()
+        if state["v"] == 0:
+            state["v"].copy_(norm)
+        else:
+            state["v"].mul_(0.9).add_(norm, alpha=0.1)
+        p.sub_(state["m"] / (state["v"].sqrt() + 1e-8), alpha=group["lr"] / group["step"] ** 0.5)
 
 
 class DeadWeightNet(RankedNet):
@@ -545,16 +526,8 @@ class DeadWeightNet(RankedNet):
                 {"params": [self.conv.bias, self.fc.bias, self.out.bias]}]
 
 
-def _dead_weight_run(fused, **fuse_kwargs):
-    model = DeadWeightNet()
-    opt = FirstNormSGD(model.groups())
-    if fused:
-        fuse_optimizer(opt, compile=False, **fuse_kwargs)
-    for x, y in _ranked_batches(8):
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.fuse_step() if fused else opt.step()
-    return model, opt
+def _dead_weight_run(fused, make=FirstNormSGD, steps=8):
+    return _ranked_run(lambda model: make(model.groups()), fused, steps=steps, model_arg=True, net=DeadWeightNet)
 
 
 def test_a_branch_every_parameter_takes_alike_is_segmented():
@@ -619,62 +592,34 @@ def test_without_cutting_the_run_every_step_is_taken_per_parameter(monkeypatch):
     assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
 
 
-class SkipZeroGradSGD(torch.optim.Optimizer):
+class SkipZeroGradSGD(PerParameterRule):
     """A branch on a Python bool computed from each parameter's values (``torch.equal``): a
     parameter whose gradient is all zeros is skipped (no weight decay either). On a flat tensor or
     a run, ``torch.equal`` would answer for every parameter at once."""
 
-    def __init__(self, params, lr=0.05):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None or torch.equal(p.grad, torch.zeros_like(p.grad)):
-                    continue
-                p.mul_(1 - 0.1 * group["lr"])
-                p.sub_(p.grad, alpha=group["lr"])
-        return None
+    def update(self, p, group):
+        if torch.equal(p.grad, torch.zeros_like(p.grad)):
+            return
+        p.mul_(1 - 0.1 * group["lr"])
+        p.sub_(p.grad, alpha=group["lr"])
 
 
-class CountedSGD(torch.optim.Optimizer):
+class CountedSGD(PerParameterRule):
     """A per-parameter step count kept as a tensor and read with ``.item()``: one value for every
     parameter of a run, so the step is followed on runs."""
 
-    def __init__(self, params, lr=0.05):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["t"] = torch.zeros(())
-                state["t"] += 1
-                p.sub_(p.grad / p.grad.norm(), alpha=group["lr"] / state["t"].item() ** 0.5)
-        return None
-
-
-def _dead_weight_model_run(make, fused):
-    model = DeadWeightNet()
-    opt = make(model.groups())
-    if fused:
-        fuse_optimizer(opt, compile=False)
-    for x, y in _ranked_batches(6):
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.fuse_step() if fused else opt.step()
-    return model, opt
+    def update(self, p, group):
+        state = self.state[p]
+        if not state:
+            state["t"] = torch.zeros(())
+        state["t"] += 1
+        p.sub_(p.grad / p.grad.norm(), alpha=group["lr"] / state["t"].item() ** 0.5)
 
 
 def test_a_python_bool_from_each_parameters_values_is_per_parameter():
-    plain, _ = _dead_weight_model_run(SkipZeroGradSGD, fused=False)
+    plain, _ = _dead_weight_run(False, SkipZeroGradSGD, 6)
     with pytest.warns(FusionFallbackWarning, match=r"\(equal\) goes one way for 1 of 3 parameters"):
-        fused, opt = _dead_weight_model_run(SkipZeroGradSGD, fused=True)
+        fused, opt = _dead_weight_run(True, SkipZeroGradSGD, 6)
     assert fusion_report(opt).group_paths == ["segmented", "segmented"]
     assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
 
@@ -683,10 +628,10 @@ def test_a_python_bool_over_a_whole_run_must_differ(monkeypatch):
     """Deliberately broken: ``torch.equal`` of the whole run, one answer for all its parameters."""
     monkeypatch.setattr(_segmented, "_PYTHON_VALUES", set())
     monkeypatch.setattr(_segmented, "_SCALAR_READS", set())
-    plain, _ = _dead_weight_model_run(SkipZeroGradSGD, fused=False)
+    plain, _ = _dead_weight_run(False, SkipZeroGradSGD, 6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fused, opt = _dead_weight_model_run(SkipZeroGradSGD, fused=True)
+        fused, opt = _dead_weight_run(True, SkipZeroGradSGD, 6)
     assert fusion_report(opt).group_paths == ["segmented", "segmented"]  # the probes did not see it
     with pytest.raises(AssertionError):
         assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
@@ -701,8 +646,8 @@ def test_a_per_parameter_predicate_is_not_elementwise(monkeypatch):
     assert "reads into Python values it reduces from each parameter" in fusion_report(
         fuse_optimizer(SkipZeroGradSGD(DeadWeightNet().parameters()), compile=False)).group_why[0]
     monkeypatch.setattr(_probe, "_PREDICATES", set())
-    plain, _ = _dead_weight_model_run(SkipZeroGradSGD, fused=False)
-    fused, opt = _dead_weight_model_run(SkipZeroGradSGD, fused=True)
+    plain, _ = _dead_weight_run(False, SkipZeroGradSGD, 6)
+    fused, opt = _dead_weight_run(True, SkipZeroGradSGD, 6)
     assert fusion_report(opt).group_paths == ["elementwise", "elementwise"]
     with pytest.raises(AssertionError):
         assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
@@ -720,14 +665,10 @@ class LateTransposeSGD(FirstNormSGD):
     """FirstNormSGD that, from its 5th step on (after the probes' window), transposes 2-D gradients
     there and back: the identity per parameter, a reshape of a run that segmented runs refuse."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            if group.get("step", 0) >= 4:
-                for p in group["params"]:
-                    if p.grad is not None and p.grad.dim() == 2:
-                        p.grad.copy_(p.grad.t().t())
-        return super().step(closure)
+    def update(self, p, group):
+        if group["step"] >= 5 and p.grad.dim() == 2:
+            p.grad.copy_(p.grad.t().t())
+        super().update(p, group)
 
 
 def test_what_a_run_cannot_follow_after_the_probes_is_undone_and_taken_per_parameter():
