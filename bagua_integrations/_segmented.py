@@ -561,7 +561,7 @@ class SegmentedMode(TorchFunctionMode):
         if all(isinstance(v, bool) for v in values):
             raise BranchesDisagree(f"a Python branch on one value per parameter ({_name(func)}) goes one way for "
                                    f"{sum(values)} of {seg.segments} parameters and the other way for the rest",
-                                   seg, values)
+                                   seg.parent or seg, values)  # (the run the planner knows, not its flattening)
         raise BranchesDisagree(f"the step reads one value per parameter into Python ({_name(func)}), and they "
                                "differ between parameters", seg, None)
 

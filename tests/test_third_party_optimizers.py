@@ -677,6 +677,47 @@ def test_what_a_run_cannot_follow_after_the_probes_is_undone_and_taken_per_param
     assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
 
 
+class ProjectedSGD(PerParameterRule):
+    """SWATS's flattened dot products (``p.view(-1).dot(g.view(-1))``): a number per parameter."""
+
+    def update(self, p, group):
+        g, w = p.grad.view(-1), p.view(-1)
+        p.sub_(p.grad * (g.dot(g) / (g.dot(g) + w.dot(w) + 1e-8)), alpha=group["lr"])
+
+
+def test_a_flattened_run_flattens_each_parameter():
+    plain, _ = _ranked_run(ProjectedSGD, fused=False)
+    fused, opt = _ranked_run(ProjectedSGD, fused=True)
+    assert fusion_report(opt).group_paths == ["segmented"]
+    assert_same_params(plain, fused, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("order", ["kept", "reversed"])
+def test_a_flattened_run_must_keep_each_parameters_segment(monkeypatch, order):
+    """Deliberately broken: the flattened run's segments in reverse order (each parameter's dot
+    products land on another parameter). The same flattening with the order kept fuses."""
+    from functools import cached_property
+
+    def flattened(self):
+        if len(self.shape) == 1:
+            return self
+        pieces = [(start, end, torch.Size([end - start])) for start, end, _ in self.pieces]
+        if order == "reversed":
+            pieces.reverse()
+        return _segmented.Segmentation((self.length,), pieces, self.shard_group, self.shard_numels, self.tag,
+                                       parent=self)
+
+    replaced = cached_property(flattened)
+    replaced.__set_name__(_segmented.Segmentation, "flattened")
+    monkeypatch.setattr(_segmented.Segmentation, "flattened", replaced)
+    opt = ProjectedSGD(RankedNet().parameters())
+    if order == "kept":
+        assert fusion_report(fuse_optimizer(opt, compile=False, on_unsupported="raise")).group_paths == ["segmented"]
+    else:
+        with pytest.raises(NotElementwiseError, match="with per-parameter reductions: the parameter update differs"):
+            fuse_optimizer(opt, compile=False, on_unsupported="raise")
+
+
 def test_torch_optimizer_novograd_branches_and_is_segmented():
     """torch-optimizer's NovoGrad: ``if exp_avg_sq == 0:`` on its per-parameter second moment."""
     torch_optimizer = pytest.importorskip("torch_optimizer")
