@@ -32,6 +32,7 @@ from ._torch_compat import (
     compiled_steps_unsupported,
     dynamo_dispatches_foreach_to_modes,
     dynamo_recompile_limit,
+    exception_chain,
     floats_need_a_direct_use,
     floats_used_directly,
     forget_float_specializations,
@@ -147,8 +148,7 @@ def _step_with_scalars_as_operands(optimizer, raw_step, mode=None, floats=()):
 
 def _describe(exc: BaseException) -> str:
     """``Type: first line`` of the innermost cause (Dynamo wraps backend errors)."""
-    while getattr(exc, "inner_exception", None) is not None or exc.__cause__ is not None:
-        exc = getattr(exc, "inner_exception", None) or exc.__cause__
+    *_, exc = exception_chain(exc, implicit=False)
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 

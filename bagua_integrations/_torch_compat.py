@@ -414,14 +414,15 @@ def size_hint(value) -> "int | None":
     return hint if isinstance(hint, int) else None
 
 
-def exception_chain(exc: BaseException):
+def exception_chain(exc: BaseException, implicit: bool = True):
     """``exc`` and the exceptions it wraps: Dynamo wraps a backend's exception in
-    ``BackendCompilerFailed`` (private attribute ``inner_exception``), others chain ``__cause__``."""
+    ``BackendCompilerFailed`` (private attribute ``inner_exception``), others chain ``__cause__``
+    (and, with ``implicit``, ``__context__``: the exception being handled when it was raised)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         yield exc
-        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or (exc.__context__ if implicit else None)
 
 
 # ----------------------------------------------------------------------------- FSDP2 shards
