@@ -222,7 +222,8 @@ class StepPlanner:
         self._shaped: Dict[Tuple[int, int, int, str], torch.Tensor] = {}  # rank-shaped views, reused
         self._segmentations: Dict[Any, Segmentation] = {}  # one per run layout: compiled graphs key on it
         self._first_stepped: set = set()  # ids of FIRST_STEP slots that took their first step per tensor
-        self._branch_classes: Dict[Tuple[int, bool], int] = {}  # (slot.branch, way taken) -> the slot's new class
+        self._branch_classes: Dict[Tuple[int, bool], int] = {}
+        self.eager_run_elements = float("inf")  # runs' length where a segmented step stays eager (set by Fusion)  # (slot.branch, way taken) -> the slot's new class
         self._state_seen: Optional[StateWatch] = None  # the state as the last write-back left it
         # Set when this step may have replaced or added a state object after plan()'s check (see
         # _put): write_back() then compares the state with the watch instead of only re-reading
@@ -300,8 +301,12 @@ class StepPlanner:
             group = self.layout.groups[index]
             params: List[torch.Tensor] = list(group.per_tensor)
             plan.per_tensor.extend(group.per_tensor)
-            # segmented runs span whole buffers: a run cut in two would be a call more (equal lengths)
-            cap = float("inf") if group.segmented else run_cap
+            # segmented runs span whole buffers: a run cut in two would be a call more (equal lengths);
+            # except where the step reads values into Python, which keeps it eager: runs of a
+            # cache's size, as eager elementwise steps take them (the whole buffer per op was 4x
+            # slower than the unfused step for torch-optimizer's NovoGrad on BERT-base)
+            cap = run_cap if not group.segmented else (
+                self.eager_run_elements if group.value_branches and not group.across_runs else float("inf"))
             proxies = 0
             for buffer in group.buffers:
                 for first, last in self._runs(buffer, cap, params, plan.per_tensor):

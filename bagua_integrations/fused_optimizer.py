@@ -202,6 +202,7 @@ class Fusion:
         self.config = config
         self.layout = FlatLayout(optimizer, config)
         self.planner = StepPlanner(optimizer, self.layout)
+        self.planner.eager_run_elements = EAGER_RUN_ELEMENTS if EAGER_RUN_ELEMENTS is not None else float("inf")
         self.stats = FusionStats()
         self.compile_unavailable: Optional[str] = None  # why compile was asked for and cannot run here
         self.compiled_step = self._compiled_step()

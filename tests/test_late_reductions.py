@@ -145,9 +145,8 @@ def test_a_tensor_step_count_is_caught_too(compile):
     fused, opt = _run(True, compile=compile, tensor_step=True)
     assert_same_params(plain, fused)
     assert_same_state(plain_opt, opt)
-    # a branch on each parameter's tensor step count, which every parameter of a run takes alike:
-    # followed on segmented runs (_segmented.SegmentedMode._branch)
-    assert fusion_report(opt).group_paths == ["segmented"]
+    # a branch on each parameter's tensor step count: its own step (_paths.SEGMENT_VALUE_READS)
+    assert fusion_report(opt).group_paths == ["per-tensor"]
 
 
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=needs_compile)], ids=["eager", "compiled"])
