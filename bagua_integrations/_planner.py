@@ -215,15 +215,15 @@ class StateWatch:
 class StepPlanner:
     """Builds each step's :class:`StepPlan` and maps the resulting flat state back per parameter."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layout: FlatLayout):
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: FlatLayout, eager_run_elements: float = float("inf")):
         self.optimizer = optimizer
         self.layout = layout
+        self.eager_run_elements = eager_run_elements  # runs' length where a segmented step stays eager
         self.tokens_stale = True
         self._shaped: Dict[Tuple[int, int, int, str], torch.Tensor] = {}  # rank-shaped views, reused
         self._segmentations: Dict[Any, Segmentation] = {}  # one per run layout: compiled graphs key on it
         self._first_stepped: set = set()  # ids of FIRST_STEP slots that took their first step per tensor
-        self._branch_classes: Dict[Tuple[int, bool], int] = {}
-        self.eager_run_elements = float("inf")  # runs' length where a segmented step stays eager (set by Fusion)  # (slot.branch, way taken) -> the slot's new class
+        self._branch_classes: Dict[Tuple[int, bool], int] = {}  # (slot.branch, way taken) -> the slot's new class
         self._state_seen: Optional[StateWatch] = None  # the state as the last write-back left it
         # Set when this step may have replaced or added a state object after plan()'s check (see
         # _put): write_back() then compares the state with the watch instead of only re-reading

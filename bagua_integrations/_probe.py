@@ -23,7 +23,8 @@ from torch.overrides import TorchFunctionMode
 
 from ._late_reductions import _SIZE_READS, watched
 from ._optimizer_copy import optimizer_like
-from ._segmented import StepNotes, Segmentation, SegmentedMode, run_shape, segment_views, state_kind
+from ._segmented import (_PYTHON_VALUES, _SCALAR_READS, StepNotes, Segmentation, SegmentedMode, run_shape,
+                         segment_views, state_kind)
 from ._torch_compat import tensor_version
 from .errors import FusionError
 
@@ -58,10 +59,8 @@ class _SizeReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-_PREDICATES = {torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.is_nonzero,
-               torch.Tensor.is_nonzero}
-_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__,
-          torch.Tensor.__index__, torch.Tensor.tolist}
+_PREDICATES = _PYTHON_VALUES  # torch.equal, allclose, is_nonzero: a Python value from whole tensors
+_READS = _SCALAR_READS | {torch.Tensor.tolist}
 
 
 class _ReducedValueReads(TorchFunctionMode):

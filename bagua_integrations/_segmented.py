@@ -472,14 +472,9 @@ def _gathered(func, seg: "Segmentation", values: List[Any], along_dims: bool) ->
         raise NotSegmentable(f"{_name(func)} of one parameter is not a tensor")
     if along_dims and all(v.dim() == len(shape) and all(n in (1, m) for n, m in zip(v.shape, shape))
                           for v, (_, _, shape) in zip(values, seg.pieces)):
-        parts, cursor = [], 0
-        for (start, end, shape), v in zip(seg.pieces, values):
-            if start > cursor:
-                parts.append(v.new_ones(start - cursor))
-            parts.append(v.expand(shape).reshape(-1))
-            cursor = end
-        if seg.length > cursor:
-            parts.append(values[0].new_ones(seg.length - cursor))
+        ones = values[0].new_ones(())
+        parts = [values[i].expand(seg.pieces[i][2]).reshape(-1) if i < seg.segments else ones.expand(count)
+                 for i, count in seg._layout]  # (index segments: padding)
         return torch.cat(parts).view(seg.shape)
     if all(v.numel() == 1 for v in values):
         return torch.stack([v.reshape(()) for v in values]).reshape(seg.scalar_shape)

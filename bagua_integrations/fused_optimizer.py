@@ -201,8 +201,8 @@ class Fusion:
         self.optimizer = optimizer
         self.config = config
         self.layout = FlatLayout(optimizer, config)
-        self.planner = StepPlanner(optimizer, self.layout)
-        self.planner.eager_run_elements = EAGER_RUN_ELEMENTS if EAGER_RUN_ELEMENTS is not None else float("inf")
+        self.planner = StepPlanner(optimizer, self.layout,
+                                   EAGER_RUN_ELEMENTS if EAGER_RUN_ELEMENTS is not None else float("inf"))
         self.stats = FusionStats()
         self.compile_unavailable: Optional[str] = None  # why compile was asked for and cannot run here
         self.compiled_step = self._compiled_step()
@@ -320,7 +320,7 @@ class Fusion:
         self._replay = replay
         every = self.config.verify
         if every and self.stats.fused_steps % every == 0:
-            with verified(optimizer, self._run_reference, FlatLayout.param_names(optimizer), self._reducing_params()):
+            with verified(optimizer, self._run_own_step, FlatLayout.param_names(optimizer), self._reducing_params()):
                 self._fused_step(optimizer)
         else:
             self._fused_step(optimizer)
@@ -336,12 +336,6 @@ class Fusion:
                 if layout is None or layout.path != ELEMENTWISE or id(p) in per_tensor:
                     reducing.add(id(p))
         return reducing
-
-    def _run_reference(self) -> None:
-        """The optimizer's own unfused step on the real parameters (verification mode)."""
-        raw_step, strips_grad_mode = unwrapped_step(type(self.optimizer))
-        with self._eager_grad_mode(strips_grad_mode):
-            self._call_raw(raw_step)
 
     def _fused_step(self, optimizer) -> None:
         """One fused step. A group planned elementwise whose step is about to mix the elements of its
@@ -543,7 +537,8 @@ class Fusion:
         return False
 
     def _run_own_step(self) -> bool:
-        """The optimizer's own eager step over whatever parameters its groups hold now."""
+        """The optimizer's own eager step over whatever parameters its groups hold now: the real ones
+        (verification mode's reference), or those a disagreeing branch hands back per parameter."""
         raw_step, strips_grad_mode = unwrapped_step(type(self.optimizer))
         with self._eager_grad_mode(strips_grad_mode):
             self._call_raw(raw_step)

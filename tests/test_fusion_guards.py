@@ -233,13 +233,13 @@ def test_a_reference_step_that_fails_leaves_nothing_applied_and_is_named(monkeyp
     model = TinyNet()
     opt = fuse_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), compile=False, verify=2)
     train(model, opt, batches(2), step=opt.fuse_step)
-    real = fused_module.Fusion._run_reference
+    real = fused_module.Fusion._run_own_step
 
     def fails_half_way(self):
         real(self)
         raise RuntimeError("no sharding rule")
 
-    monkeypatch.setattr(fused_module.Fusion, "_run_reference", fails_half_way)
+    monkeypatch.setattr(fused_module.Fusion, "_run_own_step", fails_half_way)
     x, y = batches(3)[2]
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
