@@ -54,6 +54,18 @@ _ADDC = {
     torch.addcdiv: (torch.add, torch.div),
 }
 _LERP = {_T.lerp_: _T.add_, _T.lerp: torch.add, torch.lerp: torch.add}
+# The same calls on lists: (function, its add, the combining function of addcmul/addcdiv)
+_FOREACH_ALPHA = {torch._foreach_add_: torch._foreach_add_, torch._foreach_add: torch._foreach_add,
+                  torch._foreach_sub_: torch._foreach_sub_, torch._foreach_sub: torch._foreach_sub}
+_FOREACH_ADDC = {torch._foreach_addcmul_: (torch._foreach_add_, torch._foreach_mul),
+                 torch._foreach_addcmul: (torch._foreach_add, torch._foreach_mul),
+                 torch._foreach_addcdiv_: (torch._foreach_add_, torch._foreach_div),
+                 torch._foreach_addcdiv: (torch._foreach_add, torch._foreach_div)}
+_FOREACH_LERP = {torch._foreach_lerp_: torch._foreach_add_, torch._foreach_lerp: torch._foreach_add}
+
+
+def _is_list(value) -> bool:
+    return isinstance(value, (list, tuple))
 
 # Graph count after which the compiled step is abandoned for the eager fused step: the
 # first compile, one recompile when Dynamo makes changing scalars symbolic, and slack for
@@ -78,6 +90,21 @@ class ScalarsAsOperands(TorchFunctionMode):
         if func in _LERP and len(args) == 3 and not isinstance(args[2], _T) and not kwargs:
             start, end, weight = args
             return _LERP[func](start, (end - start) * weight)
+        # ``_foreach_*`` calls too: a segmented step splits them per run inside its own mode, past
+        # this one, and a learning rate reaching them as ``alpha=`` was seen specialized there with
+        # no guard (pytorch-optimizer's Lamb under LambdaLR: the first graph's rate kept, no recompile)
+        if func in _FOREACH_ALPHA and "alpha" in kwargs and len(args) == 2 and _is_list(args[1]):
+            alpha = kwargs.pop("alpha")
+            return _FOREACH_ALPHA[func](args[0], torch._foreach_mul(args[1], alpha), **kwargs)
+        if func in _FOREACH_ADDC and (len(args), "value" in kwargs) in ((3, True), (4, False)):
+            value = kwargs["value"] if len(args) == 3 else args[3]
+            if not isinstance(value, _T) and not _is_list(value):  # one scalar (not a list, nor a tensor of them)
+                add, combine = _FOREACH_ADDC[func]
+                rest = {k: v for k, v in kwargs.items() if k != "value"}
+                return add(args[0], torch._foreach_mul(combine(args[1], args[2]), value), **rest)
+        if func in _FOREACH_LERP and len(args) == 3 and not kwargs and not isinstance(args[2], _T) and not _is_list(args[2]):
+            start, end, weight = args
+            return _FOREACH_LERP[func](start, torch._foreach_mul(torch._foreach_sub(end, start), weight))
         return func(*args, **kwargs)
 
 

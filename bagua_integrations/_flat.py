@@ -114,6 +114,7 @@ class FlatBuffer:
         self.state: Dict[str, torch.Tensor] = {}
         self.proxies: Dict[Tuple[int, int], torch.nn.Parameter] = {}
         self._run_views: Dict[Tuple[str, int, int], torch.Tensor] = {}
+        self._views_lists: Dict[Tuple[str, int, int], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
 
     @staticmethod
     def adoptable(params: List[torch.Tensor]) -> bool:
@@ -192,6 +193,16 @@ class FlatBuffer:
             entry = (flat, flat[slot.start : slot.end].view_as(slot.param))
             slot.state_views[key] = entry
         return entry[1]
+
+    def state_views(self, key: str, first: int, last: int) -> List[torch.Tensor]:
+        """:meth:`state_view` of slots ``[first, last)``: the same list while flat state ``key`` is
+        the same tensor, so a step compares a run's entries with it in one C-level pass."""
+        flat = self.state[key]
+        cached = self._views_lists.get((key, first, last))
+        if cached is None or cached[0] is not flat:
+            cached = (flat, [self.state_view(key, slot) for slot in self.slots[first:last]])
+            self._views_lists[(key, first, last)] = cached
+        return cached[1]
 
     def sync_state(self, key: str, slot: Slot, value: torch.Tensor) -> torch.Tensor:
         """Copy a per-parameter state tensor into the flat state buffer (if not already a view of it)."""

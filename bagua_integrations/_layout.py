@@ -199,6 +199,9 @@ class FlatLayout:
         """torch.optim checks this only in the constructor and ``add_param_group``; a parameter
         put into a second group by editing ``param_groups`` directly would be stepped twice
         unfused and once fused."""
+        ids = [id(p) for group in self.optimizer.param_groups for p in group["params"]]
+        if len(set(ids)) == len(ids):  # (every step: the usual answer in one pass)
+            return
         seen: Dict[int, Tuple[int, int]] = {}
         for index, group in enumerate(self.optimizer.param_groups):
             for i, p in enumerate(group["params"]):
@@ -351,7 +354,7 @@ class FlatLayout:
         for index, group in enumerate(self.optimizer.param_groups):
             layout = self.groups.get(index)
             signature = settings_signature(group)
-            if (layout is None or layout.param_ids != tuple(id(p) for p in group["params"])
+            if (layout is None or layout.param_ids != tuple(map(id, group["params"]))
                     or (_settings_changed(layout, signature) and not self._same_paths(layout, group))):
                 if layout is not None:
                     self.hooks.remove(layout.slots())

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from itertools import chain, repeat
-from operator import is_
+from itertools import chain, groupby, repeat
+from operator import attrgetter, is_
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -32,7 +32,7 @@ import torch
 from ._flat import FlatBuffer, Slot, shard_of
 from ._layout import FlatLayout
 from ._probe import probe_empty_group
-from ._segmented import Segmentation, run_shape, state_kind
+from ._segmented import Segmentation, run_shape, stacked_row_values, state_kind
 from ._torch_compat import tensor_versions
 from .errors import FusionError
 
@@ -146,6 +146,19 @@ def _state_signature(state: Dict[str, Any], param: torch.Tensor):
     return tuple(sorted(tensors, key=repr)), tuple(sorted(scalars, key=repr))
 
 
+_META = attrgetter("shape", "dtype", "device")
+
+_NUMBERS = {int, float, bool}
+_PARAM, _GRAD, _GRAD_VIEW, _PARAM_PTR = attrgetter("param"), attrgetter("grad"), attrgetter("grad_view"), attrgetter("param_ptr")
+_TOKEN, _TOKEN_AND_BRANCH = attrgetter("token"), attrgetter("token", "branch")
+
+
+def _all_like(values: List[Any], meta: Tuple[torch.Size, torch.dtype, torch.device]) -> bool:
+    """Every one of ``values`` is a plain tensor (no subclass: a DTensor's copy dispatches on its
+    own) of this shape, dtype and device, checked in C-level passes."""
+    return set(map(type, values)) <= {torch.Tensor} and set(map(_META, values)) <= {meta}
+
+
 class StateWatch:
     """The optimizer's state as a fused step left it, to tell whether anything edited it since.
 
@@ -211,6 +224,12 @@ class StateWatch:
         """After a fused step advanced the step counts in place."""
         self.versions = tensor_versions(self.scalars)
 
+    def reread_values(self) -> None:
+        """After a fused step replaced Python numbers it found in the entries (no key added or
+        removed, no tensor replaced: the rows and the one-element tensors stay)."""
+        self.values = list(map(dict.get, self.owners, self.entry_keys, repeat(_MISSING)))
+        self.versions = tensor_versions(self.scalars)
+
 
 class StepPlanner:
     """Builds each step's :class:`StepPlan` and maps the resulting flat state back per parameter."""
@@ -229,6 +248,9 @@ class StepPlanner:
         # _put): write_back() then compares the state with the watch instead of only re-reading
         # the versions of the step counts, which is all a usual step changes.
         self._state_written = True
+        # Set when this step replaced only Python numbers the state already held (BertAdam's int
+        # step count, in every entry): the watch then reads its values again in one C-level pass.
+        self._numbers_written = False
         self._empty_group_reason: Any = _MISSING  # probe_empty_group's answer, once it is needed
 
     def first_steps_taken(self, params) -> None:
@@ -256,14 +278,16 @@ class StepPlanner:
         their versions are read again. Otherwise the state is compared with the watch, and a new
         one is taken if it differs (first step, an edit, a parameter stepped on its own)."""
         seen, state, generation = self._state_seen, self.optimizer.state, self.layout.generation
-        if seen is not None and (
+        if seen is not None and not self._state_written and self._numbers_written and seen.same_frame(state, generation):
+            seen.reread_values()
+        elif seen is not None and (
             seen.same_objects(state, generation) if self._state_written else seen.same_frame(state, generation)
         ):
             seen.reread_versions()
         else:
             params = [slot.param for group in self.layout.groups.values() for slot in group.slots()]
             self._state_seen = StateWatch(state, params, generation)
-        self._state_written = False
+        self._state_written = self._numbers_written = False
 
     def _put(self, entry: Dict[Any, Any], key: Any, value: Any) -> None:
         """``entry[key] = value`` into ``optimizer.state`` or one of its entries during a fused
@@ -415,6 +439,13 @@ class StepPlanner:
         """The runs of ``buffer`` as ``(first, last)`` slot ranges; slots that must be stepped
         per tensor this step are appended to ``params`` and ``per_tensor`` on the way."""
         slots = buffer.slots
+        if run_cap == float("inf") and self._in_place(buffer):
+            first = 0
+            for _, same in groupby(map(_TOKEN_AND_BRANCH, slots)):
+                last = first + sum(1 for _ in same)
+                yield first, last
+                first = last
+            return
         first = None
         for i, slot in enumerate(slots):
             if not self._joins_a_run(buffer, slot, params, per_tensor):
@@ -430,6 +461,21 @@ class StepPlanner:
                 first = i
         if first is not None:
             yield first, len(slots)
+
+    @staticmethod
+    def _in_place(buffer: FlatBuffer) -> bool:
+        """Every slot of ``buffer`` joins a run this step, with nothing to put back in place (a usual
+        step): each parameter and gradient is its view of the buffer, and no slot holds a first
+        step's or unfusable state's token. The runs are then where the tokens and branches change,
+        as :meth:`_runs` would find them slot by slot. C-level passes over the slots."""
+        slots = buffer.slots
+        params = list(map(_PARAM, slots))
+        tokens = list(map(_TOKEN, slots))
+        return (
+            UNFUSABLE_STATE not in tokens and FIRST_STEP not in tokens
+            and all(map(is_, map(_GRAD, params), map(_GRAD_VIEW, slots)))
+            and list(map(torch.Tensor.data_ptr, params)) == list(map(_PARAM_PTR, slots))
+        )
 
     def _joins_a_run(self, buffer: FlatBuffer, slot: Slot, params, per_tensor) -> bool:
         """Put the slot's parameter and gradient back in place; False if it is not in a run this step."""
@@ -482,38 +528,50 @@ class StepPlanner:
             tag = min(sum(1 for known in self._segmentations.values() if known.segments == len(pieces)), _MAX_TAG)
             seg = self._segmentations[(shape, tuple(pieces))] = Segmentation(shape, pieces, group, numels, tag)
         run = Run(buffer, first, last, proxy, segmentation=seg)
-        for key, value in state.get(slots[0].param, {}).items():
+        first_state = state.get(slots[0].param)
+        if not first_state:
+            return run
+        entries = [state[slot.param] for slot in slots]
+        for key, value in first_state.items():
             kind = state_kind(value, slots[0].param.shape)  # the signature made it equal across the run
             if kind == "flat":
-                for slot in run.slots:
-                    per_param = state[slot.param]
-                    current = per_param[key]
-                    synced = buffer.sync_state(key, slot, current)
-                    if synced is not current:
-                        self._put(per_param, key, synced)
+                self._sync_run_state(run, key, entries)
                 flat = buffer.state_slice(key, run.start, run.end)
                 run.state[key] = self._shaped_view(buffer, flat, start, key, shape)
             elif kind == "scalar":
                 run.scalar_keys[key] = value.shape
-                values = [state[slot.param][key].reshape(()) for slot in run.slots]
-                run.state[key] = torch.stack(values).reshape(run.segmentation.scalar_shape)
+                # (equal shapes across the run: the signature) one stack, then the segment scalars' shape
+                run.state[key] = torch.stack([entry[key] for entry in entries]).reshape(run.segmentation.scalar_shape)
             else:
                 run.state[key] = value
         return run
+
+    def _sync_run_state(self, run: Run, key: str, entries: List[Dict[str, Any]]) -> None:
+        """Each parameter's state ``key`` as its view of the flat state (copied in where it is not),
+        checked in one C-level pass where every entry already holds its view (a usual step)."""
+        buffer = run.buffer
+        if key in buffer.state:
+            views = buffer.state_views(key, run.first, run.last)
+            if all(map(is_, map(dict.get, entries, repeat(key)), views)):
+                return
+        for slot, per_param in zip(run.slots, entries):
+            current = per_param[key]
+            synced = buffer.sync_state(key, slot, current)
+            if synced is not current:
+                self._put(per_param, key, synced)
 
     def _make_run(self, buffer: FlatBuffer, first: int, last: int, segmented: bool = False) -> Run:
         if segmented:
             return self._make_segmented_run(buffer, first, last)
         state = self.optimizer.state
         run = Run(buffer, first, last, buffer.proxy(first, last))
-        for key, value in state.get(buffer.slots[first].param, {}).items():
+        first_state = state.get(buffer.slots[first].param)
+        if not first_state:
+            return run
+        entries = [state[slot.param] for slot in run.slots]
+        for key, value in first_state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                for slot in run.slots:
-                    per_param = state[slot.param]
-                    current = per_param[key]
-                    synced = buffer.sync_state(key, slot, current)
-                    if synced is not current:
-                        self._put(per_param, key, synced)
+                self._sync_run_state(run, key, entries)
                 run.state[key] = buffer.state_slice(key, run.start, run.end)
             else:
                 run.state[key] = value
@@ -536,52 +594,66 @@ class StepPlanner:
             # The run's slots were advanced together; runs that shared a token (equal scalar state)
             # were advanced alike and share the new one (the eager step's check runs one of them).
             token = renewed.setdefault(id(run.slots[0].token), object())
+            entries = [state[slot.param] for slot in run.slots] if new_state else []  # (created where missing)
             for key, value in new_state.items():
                 seg = run.segmentation
                 if seg is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == seg.scalar_shape:
-                    self._write_per_segment_state(run, key, value)
+                    self._write_per_segment_state(run, key, value, entries)
+                elif seg is not None and isinstance(value, torch.Tensor) and stacked_row_values(value, seg) is not None:
+                    self._write_per_segment_state(run, key, stacked_row_values(value, seg), entries)
                 elif seg is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == seg.shape:
-                    self._write_flat_state(run, key, value.reshape(-1))
+                    self._write_flat_state(run, key, value.reshape(-1), entries)
                 elif seg is None and isinstance(value, torch.Tensor) and value.dim() > 0:
-                    self._write_flat_state(run, key, value)
+                    self._write_flat_state(run, key, value, entries)
                 else:
-                    self._write_scalar_state(run, key, value)
+                    self._write_scalar_state(run, key, value, entries)
             for slot in run.slots:
                 slot.token = token
         self._see_state()
 
-    def _write_per_segment_state(self, run: Run, key: str, value: torch.Tensor) -> None:
-        state = self.optimizer.state
-        shape = run.scalar_keys.get(key, torch.Size(()))
-        values = value.reshape(-1)
-        for i, slot in enumerate(run.slots):
-            per_param = state[slot.param]
-            current = per_param.get(key)
-            new = values[i].reshape(shape)
+    def _write_per_segment_state(self, run: Run, key: str, value: torch.Tensor, entries) -> None:
+        shape = torch.Size(run.scalar_keys.get(key, ()))
+        values = value.reshape(len(entries), *shape).unbind(0)  # each segment's value, shaped like its state
+        currents = list(map(dict.get, entries, repeat(key)))
+        if type(value) is torch.Tensor and _all_like(currents, (shape, value.dtype, value.device)):
+            torch._foreach_copy_(currents, values)  # one call where a copy each cost ~1 us (a launch each on a GPU)
+            return
+        for per_param, current, new in zip(entries, currents, values):
             if isinstance(current, torch.Tensor) and current.shape == shape and current.dtype == new.dtype:
                 current.copy_(new)
             else:
                 self._put(per_param, key, new.clone())
 
-    def _write_flat_state(self, run: Run, key: str, value: torch.Tensor) -> None:
+    def _write_flat_state(self, run: Run, key: str, value: torch.Tensor, entries) -> None:
         if value.numel() != run.end - run.start or value.dim() != 1:
             raise FusionError(
                 f"{type(self.optimizer).__name__} created state '{key}' of shape {tuple(value.shape)} "
                 f"for a flat tensor of shape {tuple(run.proxy.shape)}; its update is not elementwise. "
                 "Fuse it with on_unsupported='fallback' and without assume_elementwise=True."
             )
-        buffer, state = run.buffer, self.optimizer.state
+        buffer = run.buffer
         buffer.adopt_or_copy_state(key, run.start, run.end, value)
-        for slot in run.slots:
-            view = buffer.state_view(key, slot)
-            per_param = state[slot.param]
+        views = buffer.state_views(key, run.first, run.last)
+        if all(map(is_, map(dict.get, entries, repeat(key)), views)):  # a usual step: each holds its view
+            return
+        for per_param, view in zip(entries, views):
             if per_param.get(key) is not view:
                 self._put(per_param, key, view)
 
-    def _write_scalar_state(self, run: Run, key: str, value) -> None:
-        state = self.optimizer.state
-        for slot in run.slots:
-            per_param = state[slot.param]
+    def _write_scalar_state(self, run: Run, key: str, value, entries) -> None:
+        if type(value) in _NUMBERS:
+            if set(map(type, map(dict.get, entries, repeat(key)))) <= _NUMBERS:  # (a missing key: NoneType)
+                for _ in map(dict.__setitem__, entries, repeat(key), repeat(value)):
+                    pass
+                self._numbers_written = True
+                return
+        if type(value) is torch.Tensor:
+            currents = [current for current in map(dict.get, entries, repeat(key)) if current is not value]
+            if _all_like(currents, (value.shape, value.dtype, value.device)):
+                if currents:
+                    torch._foreach_copy_(currents, [value] * len(currents))
+                return
+        for per_param in entries:
             current = per_param.get(key)
             if current is value:
                 continue

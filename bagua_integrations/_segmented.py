@@ -117,6 +117,18 @@ def segment_scalar_shape(segments: int, tag: int = 0) -> Tuple[int, ...]:
     return (segments,) + _SCALAR_TRAILING + (1,) * (2 * tag)
 
 
+def stacked_row_values(value: torch.Tensor, seg: "Segmentation") -> Optional[torch.Tensor]:
+    """This run's segment scalar, where ``value`` is its row of a stacked list over runs (segment
+    scalars padded to the widest run of a call: ``SegmentedMode._stack_runs``) rather than the
+    scalar itself; else None. A compiled step that iterates such a stack (``for wn in
+    torch.stack(norms)``, pytorch-optimizer's Lamb) gets the padded rows: Dynamo indexes the stack
+    itself, past the mode. A row has a tag-0 segment-scalar shape at least as wide as the run."""
+    shape = tuple(value.shape)
+    if shape == seg.scalar_shape or len(shape) != 1 + MAX_RANK or shape[1:] != _SCALAR_TRAILING or shape[0] < seg.segments:
+        return None
+    return value.reshape(-1)[: seg.segments].reshape(seg.scalar_shape)
+
+
 def state_kind(value: Any, param_shape: torch.Size) -> str:
     """How a segmented run carries one parameter's state entry: ``"flat"`` (shaped like the
     parameter: a slice of the run), ``"scalar"`` (one value per parameter: a segment scalar),
@@ -230,7 +242,12 @@ class Segmentation:
             valid[last - 1] = end - (last - 1) * block
             ranges.append((first, last))
         padded = bool((valid < block).any())
-        self.block, self.block_ids, self.block_ranges = block, ids.to(device), ranges
+        self.block, self.block_ids = block, ids.to(device)
+        # Each segment's blocks for one segment_reduce: from its first block to the next segment's
+        # (blocks of padding alone between them hold the neutral value: see _blockwise). One
+        # operator, where a reduction per segment cost a launch each (~2 ms a step on a GPU).
+        bounds = [0] + [first for first, _ in ranges[1:]] + [self.length // block]
+        self.block_counts = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], dtype=torch.int64, device=device)
         self.block_valid = valid.to(device) if padded else None  # elements of each block inside a segment
         self.numels = torch.tensor(self.segment_numels, dtype=torch.float32, device=device)
 
@@ -300,6 +317,7 @@ _INF = float("inf")
 # per combination: the value of a segment with no elements (an empty shard), the all-reduce over shards
 _NEUTRAL = {"sum": 0.0, "amax": -float("inf"), "amin": float("inf")}
 _REDUCE_OPS = {"sum": "SUM", "amax": "MAX", "amin": "MIN"}
+_SEGMENT_REDUCE = {"sum": "sum", "amax": "max", "amin": "min"}
 
 
 @torch.library.custom_op("bagua_integrations::segment_combine", mutates_args=())
@@ -310,9 +328,7 @@ def segment_combine(partials: torch.Tensor, key: str, how: str) -> torch.Tensor:
     all-reduce for all segments of the run (a collective inside an operator the compiler does
     not look into, so a compiled step makes the same calls in the same order as an eager one)."""
     seg = _BY_KEY[key]
-    reduce = getattr(torch, how)
-    values = torch.stack([reduce(partials[first:last]) if last > first else partials.new_full((), _NEUTRAL[how])
-                          for first, last in seg.block_ranges])
+    values = torch.segment_reduce(partials, _SEGMENT_REDUCE[how], lengths=seg.block_counts, initial=_NEUTRAL[how])
     if seg.shard_group is not None:
         import torch.distributed as dist
 

@@ -16,6 +16,7 @@ hits them alike; the reported time is the median step time of rank 0.
 
     python benchmarks/bench_distributed.py                 # defaults: ~1-2 minutes on 2 cores
     python benchmarks/bench_distributed.py --json out.json --rounds 8
+    python benchmarks/bench_distributed.py --codec-only --codec-device cuda --codec-elements 64000000   # on a GPU
 """
 
 from __future__ import annotations
@@ -247,14 +248,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def codec_rows(elements: int, rounds: int, ranks: int = 2) -> dict:
+def codec_rows(elements: int, rounds: int, ranks: int = 2, device: str = "cpu") -> dict:
     """Median seconds per call of each codec operation on one bucket of ``elements`` fp32
-    values, eager and compiled, and of a plain copy of the same bytes, interleaved in rounds."""
+    values, eager and compiled, and of a plain copy of the same bytes, interleaved in rounds.
+    On CUDA each call is timed with CUDA events (the compiled forms are Triton kernels)."""
     from bagua_integrations.distributed.algorithms.bytegrad import BLOCK, MinMaxUInt8
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    flat = torch.randn(elements, generator=g)
+    flat = torch.randn(elements, generator=g).to(device)
     copy_target = torch.empty_like(flat)
     rows = {"plain copy (fp32 -> fp32)": lambda: copy_target.copy_(flat)}
     for label, compiled in (("eager", False), ("compiled", True)):
@@ -273,19 +275,36 @@ def codec_rows(elements: int, rounds: int, ranks: int = 2) -> dict:
     times = {name: [] for name in rows}
     for _ in range(rounds):
         for name, fn in rows.items():
-            started = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - started)
+            times[name].append(_timed_call(fn, device))
     medians = {name: statistics.median(values) for name, values in times.items()}
     # each row processes the bucket's fp32 values once (average: one chunk from each rank = one bucket)
-    return {"elements": elements, "ranks": ranks, "seconds": medians}
+    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    return {"elements": elements, "ranks": ranks, "seconds": medians, "device": device, "hardware": where,
+            "torch": torch.__version__}
+
+
+def _timed_call(fn, device: str) -> float:
+    """Seconds of one call: CUDA events around it on a GPU (after a synchronize), else the host clock."""
+    if device != "cuda":
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def codec_report(codec: dict) -> str:
     gigabytes = codec["elements"] * 4 / 1e9
     copy = codec["seconds"]["plain copy (fp32 -> fp32)"]
-    lines = [f"## uint8 codec, one bucket of {codec['elements'] * 4 / MB:.0f} MB fp32 ({codec['ranks']} ranks' chunks; "
-             "1 thread; GB/s of fp32 values processed; vs a plain copy of the same bytes in the same rounds)", "",
+    where = codec.get("hardware", "CPU")
+    threads = "" if codec.get("device") == "cuda" else "1 thread; "
+    lines = [f"## uint8 codec, one bucket of {codec['elements'] * 4 / MB:.0f} MB fp32 on {where}, torch {codec.get('torch', '?')} "
+             f"({codec['ranks']} ranks' chunks; {threads}GB/s of fp32 values processed; vs a plain copy of the same bytes in the same rounds)", "",
              "| operation | ms | GB/s | vs plain copy |", "|---|---:|---:|---:|"]
     for name, seconds in codec["seconds"].items():
         lines.append(f"| {name} | {seconds * 1e3:.2f} | {gigabytes / seconds:.2f} | {copy / seconds:.2f}x |")
@@ -361,8 +380,12 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the raw numbers here")
     parser.add_argument("--codec-elements", type=int, default=6_000_000, help="fp32 elements in the codec table's bucket")
     parser.add_argument("--codec-only", action="store_true", help="only the codec table (one process)")
+    parser.add_argument("--codec-device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the codec table runs (cuda: CUDA-event timing, Triton kernels when compiled)")
     args = parser.parse_args(argv)
-    codec = codec_rows(args.codec_elements, max(args.rounds, 5))
+    if args.codec_device == "cuda" and not torch.cuda.is_available():
+        parser.error("--codec-device cuda: no CUDA device is available")
+    codec = codec_rows(args.codec_elements, max(args.rounds, 5), device=args.codec_device)
     torch.set_num_threads(os.cpu_count() or 1)
     if args.codec_only:
         print(codec_report(codec))

@@ -21,6 +21,11 @@ from ``fuse_optimizer`` on DTensors) is reported as n/a and the other rows go on
     python benchmarks/bench_fsdp2_step.py                              # BERT-base, 2 ranks, 1 thread each
     python benchmarks/bench_fsdp2_step.py --model tiny --steps 3       # a quick smoke run
     python benchmarks/bench_fsdp2_step.py --rows adamw-fused,bertadam,bertadam-bagua,floor
+    python benchmarks/bench_fsdp2_step.py --device cuda --world-size 1     # a GPU, NCCL (one rank per GPU)
+
+On CUDA (NCCL, rank r on GPU r) each step is timed with CUDA events, and "host ms" is the time the
+Python call takes to issue the step without waiting for the GPU: the DTensor dispatch and launch
+overhead of pytorch#134191, side by side with the device time.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ def floor_steps(params):
     p = torch.cat([t.reshape(-1) for t in local])
     g = torch.cat([t.reshape(-1) for t in grads])
     m, v = torch.zeros_like(p), torch.zeros_like(p)
-    lr = torch.tensor(1e-4)  # an input: nothing to constant-fold
+    lr = torch.tensor(1e-4, device=p.device)  # an input: nothing to constant-fold
 
     def adam(p, g, m, v, lr):
         m.mul_(0.9).add_(g, alpha=0.1)
@@ -96,7 +101,7 @@ def lamb_floor_step(params):
     p = torch.cat([t.reshape(-1) for t in local])
     g = torch.cat([t.reshape(-1) for t in grads])
     m, v = torch.zeros_like(p), torch.zeros_like(p)
-    lr = torch.tensor(1e-4)
+    lr = torch.tensor(1e-4, device=p.device)
 
     def lamb(p, g, m, v, lr):
         m.mul_(0.9).add_(g, alpha=0.1)
@@ -108,18 +113,32 @@ def lamb_floor_step(params):
     return lambda: compiled(p, g, m, v, lr)
 
 
-def time_steps(step, steps, dist):
+def time_steps(step, steps, dist, cuda=False):
+    """(seconds of the first 3 steps, seconds of each timed step, host seconds of issuing each).
+    On CUDA a step's time is its CUDA-event time; its host time is the Python call alone."""
     started = time.perf_counter()
     for _ in range(3):  # warm-up: state creation, compilation, one warm step
         step()
+    if cuda:
+        torch.cuda.synchronize()
     first3 = time.perf_counter() - started
-    times = []
+    times, host = [], []
     for _ in range(steps):
         dist.barrier()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            begin.record()
         started = time.perf_counter()
         step()
-        times.append(time.perf_counter() - started)
-    return first3, times
+        host.append(time.perf_counter() - started)
+        if cuda:
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            times.append(host[-1])
+    return first3, times, host
 
 
 def worker(rank, world, port, args, out_dir):
@@ -129,16 +148,20 @@ def worker(rank, world, port, args, out_dir):
     from transformers import BertConfig, BertModel
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=args.timeout),
+                            **({"device_id": torch.device("cuda", rank)} if cuda else {}))
     torch.manual_seed(0)  # the same full model on every rank before sharding
-    model = BertModel(BertConfig(**MODELS[args.model]))
-    mesh = init_device_mesh("cpu", (world,))
+    model = BertModel(BertConfig(**MODELS[args.model])).to(args.device)
+    mesh = init_device_mesh(args.device, (world,))
     for layer in model.encoder.layer:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     gen = torch.Generator().manual_seed(rank)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen).to(args.device)
     results = {}
     for row in args.rows:
         params = list(model.parameters())  # afresh: a fused optimizer may have replaced them
@@ -151,19 +174,19 @@ def worker(rank, world, port, args, out_dir):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if row == "floor":  # both variants; the parent keeps the one faster on rank 0, on every rank
-                    res["variants"] = {label: dict(zip(("first3", "times"), time_steps(step, args.steps, dist)))
+                    res["variants"] = {label: dict(zip(("first3", "times", "host"), time_steps(step, args.steps, dist, cuda)))
                                        for label, step in floor_steps(params).items()}
                     res.update(label=min(res["variants"], key=lambda k: statistics.median(res["variants"][k]["times"])))
                     res.update(res["variants"][res["label"]])
                 elif row == "floor-lamb":
-                    first3, times = time_steps(lamb_floor_step(params), args.steps, dist)
-                    res.update(first3=first3, times=times)
+                    first3, times, host = time_steps(lamb_floor_step(params), args.steps, dist, cuda)
+                    res.update(first3=first3, times=times, host=host)
                 else:
                     started = time.perf_counter()
                     opt = make_optimizer(row, params)
                     build = time.perf_counter() - started
-                    first3, times = time_steps(opt.step, args.steps, dist)
-                    res.update(first3=build + first3, times=times)
+                    first3, times, host = time_steps(opt.step, args.steps, dist, cuda)
+                    res.update(first3=build + first3, times=times, host=host)
                     del opt
         except Exception as exc:  # noqa: BLE001 - a row that cannot run is reported, not fatal
             res["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:100]}".replace("|", "/")
@@ -218,8 +241,10 @@ def hardware_line(args):
     except OSError:
         pass
     load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}; "
-            f"world size {args.world_size} (gloo), {args.threads} torch thread(s) per rank, model {args.model}{load}")
+    gpu = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}); host " if args.device == "cuda" else ""
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    return (f"{gpu}{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}; "
+            f"world size {args.world_size} ({backend}), {args.threads} torch thread(s) per rank, model {args.model}{load}")
 
 
 def main(argv=None):
@@ -233,11 +258,17 @@ def main(argv=None):
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
     parser.add_argument("--json", help="also write every rank's results here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: NCCL, rank r on GPU r (needs --world-size <= the GPUs), CUDA-event timing")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and args.world_size > torch.cuda.device_count():
+        parser.error(f"--device cuda: {args.world_size} ranks need as many GPUs (NCCL: one rank per GPU), "
+                     f"{torch.cuda.device_count()} visible; pass --world-size {max(torch.cuda.device_count(), 1)}")
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     if unknown := [r for r in args.rows if r not in ROWS]:
         parser.error(f"unknown rows {unknown}; choose from {ROWS}")
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile-worker pool per rank
+    if args.device == "cpu":
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile-worker pool per rank on a small CPU
     print(f"# Optimizer step under FSDP2 (fully_shard per encoder layer + root), {args.steps} timed steps per row")
     print(f"# hardware: {hardware_line(args)}", flush=True)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -259,20 +290,22 @@ def main(argv=None):
     ref = median[REFERENCE][0] if median.get(REFERENCE) and "times" in ranks[0].get(REFERENCE, {}) else None
     print()
     print(f"| optimizer step | ms / step (rank 0, median) | ms / step (max over ranks of medians) | vs {REFERENCE} "
-          f"| first 3 steps (s) | DTensor params / rank | local M elements / rank (rank 0 / max) | GB/s ({BYTES_PER_ELEM} B/elem, rank 0) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"| first 3 steps (s) | DTensor params / rank | local M elements / rank (rank 0 / max) | GB/s ({BYTES_PER_ELEM} B/elem, rank 0) "
+          "| host ms (rank 0, issuing the step) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in args.rows:
         res = ranks[0].get(row)
         errors = [rk[row]["error"] for rk in ranks if "error" in rk.get(row, {})]
         if res is None or errors or len(median[row]) < args.world_size:
             why = errors[0] if errors else "did not finish on every rank"
-            print(f"| {row} | n/a ({why}) | | | | | | |")
+            print(f"| {row} | n/a ({why}) | | | | | | | |")
             continue
         ms, local = median[row][0], [rk[row]["local"] for rk in ranks]
         name = {"floor": f"floor ({res.get('label')}: one Adam pass over the flat local shards)",
                 "floor-lamb": "floor-lamb (compiled: LAMB's two passes over the flat local shards)"}.get(row, row)
         print(f"| {name} | {ms:.2f} | {max(median[row]):.2f} | {f'{ms / ref:.2f}x' if ref else '-'} | {res['first3']:.1f} "
-              f"| {res['params']} | {local[0] / 1e6:.2f} / {max(local) / 1e6:.2f} | {BYTES_PER_ELEM * local[0] / ms / 1e6:.1f} |")
+              f"| {res['params']} | {local[0] / 1e6:.2f} / {max(local) / 1e6:.2f} | {BYTES_PER_ELEM * local[0] / ms / 1e6:.1f} "
+              f"| {statistics.median(res['host']) * 1e3:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hardware": hardware_line(args), "args": vars(args), "ranks": ranks, "exit_codes": codes}, f, indent=2)

@@ -5,6 +5,7 @@ Compile time is measured separately and kept out of the step times.
 
     python benchmarks/bench_optimizer_step.py                 # BERT-base shapes (201 tensors, 109.5 M)
     python benchmarks/bench_optimizer_step.py --model small   # a quick look (~11 M parameters)
+    python benchmarks/bench_optimizer_step.py --model tiny --repeats 200   # host overhead: 201 tensors, ~8k elements
     python benchmarks/bench_optimizer_step.py --device cuda --dtype bf16   # on the GPU, bf16 params
 
     python benchmarks/bench_optimizer_step.py --rows elementwise        # BertAdam unclipped, torch AdamW variants
@@ -65,6 +66,8 @@ def bert_shapes(vocab=30522, hidden=768, layers=12, intermediate=3072, positions
 MODELS = {
     "bert-base": bert_shapes(),
     "small": bert_shapes(vocab=8192, hidden=256, layers=4, intermediate=1024),
+    # BERT-base's 201 tensors with a few elements each: a step is its host overhead (Python, launches)
+    "tiny": bert_shapes(vocab=64, hidden=8, intermediate=16, positions=8),
 }
 
 

@@ -4,13 +4,18 @@
 #   bash scripts/gpu_checklist.sh tests        # tests/test_cuda.py, then the non-slow suite (time left: ~8 min total)
 #   bash scripts/gpu_checklist.sh bench        # the optimizer-step benchmark on CUDA, fp32 then bf16; fails
 #                                              # (status 1, "COMPILED PATH NOT USED") if a compiled row ran eagerly
+#   bash scripts/gpu_checklist.sh lent         # one call of a lent session (~8.5 min): the step benchmark fp32
+#                                              # (BertAdam, LAMB, pytorch-optimizer's Lamb, AdamW, torch.compile
+#                                              # peers, traffic floors), the uint8 codec's GB/s, the FSDP2 step with
+#                                              # one NCCL rank (device and host time), then bf16 in the time left
 #
 # Smaller pieces, when a part needs its whole time budget:
-#   tests-cuda | tests-suite | bench-fp32 | bench-bf16
+#   tests-cuda | tests-suite | bench-fp32 | bench-bf16 | codec | fsdp2
 #
 # Logs and JSON go to $OUT (default: ./gpu_checklist_out). Run from anywhere; it cd's to the repo.
 # Environment knobs: PYTHON (default python3), PYTEST_EXTRA (more pytest arguments),
-# BENCH_MODEL (default bert-base), BENCH_REPEATS (default 30).
+# BENCH_MODEL (default bert-base), BENCH_REPEATS (default 30), BENCH_ROWS (default: the benchmark's own).
+# pytorch-optimizer (for its Lamb rows) is not on the GPU image: carry it as a wheel (device README).
 #
 # fairseq is not needed: its tests skip themselves when it is missing (pytestmark = requires_fairseq,
 # pytest.importorskip("fairseq"), or an in-test check); every test module imports without it
@@ -104,8 +109,28 @@ bench() {
     [ "$(left)" -lt "$limit" ] && limit=$(left)
     run_logged "$limit" "$OUT/bench_$dtype.log" $PY benchmarks/bench_optimizer_step.py --device cuda --dtype "$dtype" \
         --model "${BENCH_MODEL:-bert-base}" --repeats "${BENCH_REPEATS:-30}" --json "$OUT/step_$dtype.json" \
-        --require-compiled
+        --rows "${3:-${BENCH_ROWS:-bert}}" --require-compiled
 }
+
+codec() {
+    local limit=$1
+    [ "$(left)" -lt "$limit" ] && limit=$(left)
+    run_logged "$limit" "$OUT/codec.log" $PY benchmarks/bench_distributed.py --codec-only --codec-device cuda \
+        --codec-elements 64000000 --rounds 30
+}
+
+fsdp2() {
+    local limit=$1
+    [ "$(left)" -lt "$limit" ] && limit=$(left)
+    run_logged "$limit" "$OUT/fsdp2.log" $PY benchmarks/bench_fsdp2_step.py --device cuda --world-size 1 --steps 20 \
+        --timeout $((limit - 15)) --json "$OUT/fsdp2.json"
+}
+
+# the rows of a lent session's fp32 run: every fused optimizer beside its strongest peers and its traffic floor
+# (torch.compile(BertAdam.step) is left out: tracing its 201 per-tensor steps takes minutes of the lease)
+LENT_ROWS="BertAdam fused (segmented),LAMB per-tensor,LAMB fused (segmented),pytorch-optimizer Lamb,\
+torch AdamW foreach=True,torch AdamW fused by bagua,torch.compile(AdamW.step),traffic only"
+LENT_BF16_ROWS="BertAdam fused (segmented),LAMB fused (segmented),torch AdamW fused by bagua,traffic only: AdamW"
 
 case "${1:-}" in
     tests) environment; tests_cuda; tests_suite ;;
@@ -114,7 +139,10 @@ case "${1:-}" in
     bench) environment; bench fp32 260; bench bf16 "$(left)" ;;
     bench-fp32) environment; bench fp32 "$PART_BUDGET" ;;
     bench-bf16) environment; bench bf16 "$PART_BUDGET" ;;
-    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|tests-cuda|tests-suite|bench-fp32|bench-bf16}" >&2; exit 2 ;;
+    codec) environment; codec "$PART_BUDGET" ;;
+    fsdp2) environment; fsdp2 "$PART_BUDGET" ;;
+    lent) environment; bench fp32 270 "$LENT_ROWS"; codec 70; fsdp2 120; bench bf16 "$(left)" "$LENT_BF16_ROWS" ;;
+    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2}" >&2; exit 2 ;;
 esac
 echo "# part '${1}' done in $((SECONDS - START)) s, status $STATUS; logs in $OUT"
 exit $STATUS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -191,3 +192,58 @@ def test_compiled_step_allocates_no_full_size_temporaries(monkeypatch):
     monkeypatch.setattr(fused_module, "EAGER_RUN_ELEMENTS", None)
     eager = make(False)
     assert _bytes_allocated_during(eager.fuse_step) >= 1.0 * param_bytes
+
+
+class ForeachLamb(torch.optim.Optimizer):
+    """LAMB written as pytorch-optimizer writes it: ``_foreach_*`` calls over the whole group (split
+    per run on segmented runs), per-parameter norms, and the learning rate reaching a foreach call
+    as ``alpha=`` (``how="alpha"``), ``value=`` (``"value"``) or a lerp weight (``"lerp"``)."""
+
+    def __init__(self, params, lr=1e-3, how="alpha"):
+        super().__init__(params, dict(lr=lr))
+        self.how = how
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["exp_avg"] = torch.zeros_like(p)
+            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            group["step"] = group.get("step", 0) + 1  # a group-level count, as pytorch-optimizer keeps it
+            lr = group["lr"] / (1.0 - math.pow(0.9, group["step"]))  # bias-corrected
+            if self.how == "lerp":  # a weight that follows the schedule
+                torch._foreach_lerp_(exp_avgs, grads, 50 * lr)
+            else:
+                torch._foreach_mul_(exp_avgs, 0.9)
+                torch._foreach_add_(exp_avgs, grads, alpha=0.1)
+            trust = [w / (u + 1e-6) for w, u in zip(torch._foreach_norm(params), torch._foreach_norm(exp_avgs))]
+            if self.how == "value":
+                torch._foreach_addcmul_(params, exp_avgs, trust, value=-lr)
+            else:
+                torch._foreach_add_(params, torch._foreach_mul(exp_avgs, trust), alpha=-lr)
+
+
+@pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
+                    reason=str(_compile.compile_unavailable_reason("segmented")))
+@pytest.mark.parametrize("how", ["alpha", "value", "lerp"])
+def test_a_scheduled_learning_rate_reaching_foreach_calls_on_segmented_runs_is_followed(how):
+    """A learning rate passed to a ``_foreach_*`` call as a scalar argument, on segmented runs
+    (which split the call per run), is symbolic in the compiled step: one graph follows the
+    schedule. Before, each new rate recompiled until the compiled step switched itself off, or,
+    in pytorch-optimizer's Lamb, the rate was frozen silently
+    (test_third_party_optimizers.py::test_pytorch_optimizer_lamb_compiled_follows_a_schedule)."""
+    data = batches(8)
+    models = [TinyNet() for _ in range(2)]
+    plain = ForeachLamb(models[0].parameters(), how=how)
+    fused = fuse_optimizer(ForeachLamb(models[1].parameters(), how=how), compile=True)
+    schedulers = [O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) for opt in (plain, fused)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)  # the compiled step must be what ran
+        for opt, model, scheduler in zip((plain, fused), models, schedulers):
+            _run(model, opt, data, scheduler)
+    report = fusion_report(fused)
+    assert report.group_paths == ["segmented"] and report.compiled, report  # (compiled: the last step ran the kernel)
+    assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)

@@ -28,7 +28,7 @@ from _fused_utils import TinyNet, assert_same_params, assert_same_state, batches
 from bagua_integrations import fuse_optimizer, fusion_report
 from bagua_integrations import _compile
 from bagua_integrations.distributed import bagua_init
-from bagua_integrations.optim import BertAdam
+from bagua_integrations.optim import BertAdam, Lamb
 
 DEVICE = os.environ.get("BAGUA_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(
@@ -93,6 +93,9 @@ EAGER_CASES = {
     "Adagrad": (O.Adagrad, dict(lr=0.1, weight_decay=0.01), dict(lr=0.05)),
     "RMSprop-centered": (O.RMSprop, dict(lr=1e-2, centered=True, momentum=0.5), dict(lr=3e-3)),
     "BertAdam": (BertAdam, dict(lr=1e-2, max_grad_norm=-1.0), dict(lr=3e-3, weight_decay=0.0)),
+    # per-parameter clipping (Bagua's default): segmented runs, per-segment norms and state
+    "BertAdam-clipped": (BertAdam, dict(lr=1e-2), dict(lr=3e-3, weight_decay=0.0)),
+    "Lamb": (Lamb, dict(lr=1e-2, weight_decay=0.01), dict(lr=3e-3)),
 }
 
 
@@ -161,9 +164,19 @@ def test_grad_scaler_skips_the_same_steps(fused_kernel):
 
 
 # --------------------------------------------------------------------------- c. compiled (Triton) step
+def _pytorch_optimizer_lamb(params, **kwargs):
+    pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+    return pytorch_optimizer.Lamb(params, **kwargs)
+
+
 COMPILED_CASES = {
     "AdamW": (O.AdamW, dict(lr=1e-3, weight_decay=0.01)),
     "BertAdam": (BertAdam, dict(lr=1e-3, max_grad_norm=-1.0)),
+    # segmented: each parameter's norms combined from block partials (segment_combine) on the GPU
+    "BertAdam-clipped": (BertAdam, dict(lr=1e-3)),
+    "Lamb": (Lamb, dict(lr=1e-3, weight_decay=0.01)),
+    # the LAMB people install (its foreach path over the whole group), per-segment state written back
+    "pytorch-optimizer-Lamb": (_pytorch_optimizer_lamb, dict(lr=1e-3, weight_decay=0.01)),
 }
 
 
