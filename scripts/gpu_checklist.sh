@@ -11,6 +11,7 @@
 #
 # Smaller pieces, when a part needs its whole time budget:
 #   tests-cuda | tests-suite | bench-fp32 | bench-bf16 | codec | fsdp2
+#   host: segmented CUDA tests, then the step's host overhead (--model tiny) and BERT-base (~5 min)
 #
 # Logs and JSON go to $OUT (default: ./gpu_checklist_out). Run from anywhere; it cd's to the repo.
 # Environment knobs: PYTHON (default python3), PYTEST_EXTRA (more pytest arguments),
@@ -130,6 +131,7 @@ fsdp2() {
 # (torch.compile(BertAdam.step) is left out: tracing its 201 per-tensor steps takes minutes of the lease)
 LENT_ROWS="BertAdam fused (segmented),LAMB per-tensor,LAMB fused (segmented),pytorch-optimizer Lamb,\
 torch AdamW foreach=True,torch AdamW fused by bagua,torch.compile(AdamW.step),traffic only"
+HOST_ROWS="BertAdam fused (segmented),LAMB fused (segmented),pytorch-optimizer Lamb,torch AdamW foreach=True,torch AdamW fused by bagua"
 LENT_BF16_ROWS="BertAdam fused (segmented),LAMB fused (segmented),torch AdamW fused by bagua,traffic only: AdamW"
 
 case "${1:-}" in
@@ -141,8 +143,14 @@ case "${1:-}" in
     bench-bf16) environment; bench bf16 "$PART_BUDGET" ;;
     codec) environment; codec "$PART_BUDGET" ;;
     fsdp2) environment; fsdp2 "$PART_BUDGET" ;;
+    host) environment  # the fused step's host overhead (201 tiny tensors) and BERT-base, after an overhead change
+        run_logged 100 "$OUT/tests_segmented.log" $PY -m pytest -q -rs $(timeout_args) tests/test_cuda.py -k "compiled or (fp32 and (clipped or Lamb))"
+        for model in tiny bert-base; do
+            run_logged 120 "$OUT/bench_$model.log" $PY benchmarks/bench_optimizer_step.py --device cuda --model $model \
+                --repeats $([ $model = tiny ] && echo 100 || echo 30) --rows "$HOST_ROWS" --json "$OUT/step_$model.json" --require-compiled
+        done ;;
     lent) environment; bench fp32 270 "$LENT_ROWS"; codec 70; fsdp2 120; bench bf16 "$(left)" "$LENT_BF16_ROWS" ;;
-    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2}" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2}" >&2; exit 2 ;;
 esac
 echo "# part '${1}' done in $((SECONDS - START)) s, status $STATUS; logs in $OUT"
 exit $STATUS
