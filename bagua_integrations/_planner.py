@@ -59,6 +59,8 @@ class Run:
     # segmented runs: the segments, and the per-parameter scalar state keys with their shapes
     segmentation: Optional[Segmentation] = None
     scalar_keys: Dict[str, torch.Size] = field(default_factory=dict)
+    # each slot's state entry, looked up once per step where the state exists when the run is made
+    entries: Optional[List[Dict[str, Any]]] = None
 
     @property
     def slots(self) -> List[Slot]:
@@ -442,7 +444,7 @@ class StepPlanner:
         if run_cap == float("inf") and self._in_place(buffer):
             first = 0
             for _, same in groupby(map(_TOKEN_AND_BRANCH, slots)):
-                last = first + sum(1 for _ in same)
+                last = first + len(list(same))
                 yield first, last
                 first = last
             return
@@ -531,7 +533,7 @@ class StepPlanner:
         first_state = state.get(slots[0].param)
         if not first_state:
             return run
-        entries = [state[slot.param] for slot in slots]
+        entries = run.entries = [state[slot.param] for slot in slots]
         for key, value in first_state.items():
             kind = state_kind(value, slots[0].param.shape)  # the signature made it equal across the run
             if kind == "flat":
@@ -568,7 +570,7 @@ class StepPlanner:
         first_state = state.get(buffer.slots[first].param)
         if not first_state:
             return run
-        entries = [state[slot.param] for slot in run.slots]
+        entries = run.entries = [state[slot.param] for slot in run.slots]
         for key, value in first_state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 self._sync_run_state(run, key, entries)
@@ -594,7 +596,9 @@ class StepPlanner:
             # The run's slots were advanced together; runs that shared a token (equal scalar state)
             # were advanced alike and share the new one (the eager step's check runs one of them).
             token = renewed.setdefault(id(run.slots[0].token), object())
-            entries = [state[slot.param] for slot in run.slots] if new_state else []  # (created where missing)
+            entries = run.entries  # the optimizer's step saw the swapped state: these entries are as they were
+            if entries is None:
+                entries = [state[slot.param] for slot in run.slots] if new_state else []  # (created where missing)
             for key, value in new_state.items():
                 seg = run.segmentation
                 if seg is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == seg.scalar_shape:

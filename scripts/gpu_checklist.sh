@@ -144,7 +144,7 @@ case "${1:-}" in
     codec) environment; codec "$PART_BUDGET" ;;
     fsdp2) environment; fsdp2 "$PART_BUDGET" ;;
     host) environment  # the fused step's host overhead (201 tiny tensors) and BERT-base, after an overhead change
-        run_logged 100 "$OUT/tests_segmented.log" $PY -m pytest -q -rs $(timeout_args) tests/test_cuda.py -k "compiled or (fp32 and (clipped or Lamb))"
+        run_logged 200 "$OUT/tests_segmented.log" $PY -m pytest -q -rs $(timeout_args) tests/test_cuda.py -k "compiled or (fp32 and (clipped or Lamb))"
         for model in tiny bert-base; do
             run_logged 120 "$OUT/bench_$model.log" $PY benchmarks/bench_optimizer_step.py --device cuda --model $model \
                 --repeats $([ $model = tiny ] && echo 100 || echo 30) --rows "$HOST_ROWS" --json "$OUT/step_$model.json" --require-compiled

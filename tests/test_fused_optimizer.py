@@ -623,6 +623,50 @@ def test_editing_one_parameters_step_count_between_steps_is_followed(how):
     _edited_run(lambda ps: torch.optim.Adam(ps, lr=0.01), edit)
 
 
+def test_a_parameter_whose_data_is_replaced_between_steps_is_put_back_in_its_slot():
+    """``p.data = ...`` between two fused steps (weights loaded by assignment): the next step copies
+    the new values into the flat buffer and makes ``p`` its view again, though its gradient still
+    is one (the check that every slot is in place looks at both). BertAdam with its clipping is
+    segmented: its runs span whole buffers, where that check decides them in one pass."""
+    def load(model, opt):
+        model[2].weight.data = model[2].weight.detach() * 0.5 + 1.0
+
+    plain, fused, fused_model = _edited_run(lambda ps: BertAdam(ps, lr=0.01), load, steps=5, at=3)
+    buffer_view = fused._bagua_fusion.layout.buffers()[0].param
+    weight = fused_model[2].weight
+    assert buffer_view.data_ptr() <= weight.data_ptr() < buffer_view.data_ptr() + buffer_view.numel() * 4
+
+
+def test_a_python_step_count_edited_between_steps_is_followed_and_usual_steps_keep_the_watch(monkeypatch):
+    """BertAdam counts steps in a Python int, replaced in every entry each step (its warm-up reads
+    it). A usual step re-reads those numbers into the state watch instead of building a new one
+    (the watch object stays); a user's edit of one count between steps is still seen, and that
+    parameter leaves the run (shown to fail with the watch's value comparison switched off)."""
+    def make(ps):
+        return BertAdam(ps, lr=0.05, warmup=0.5, t_total=10, max_grad_norm=-1.0)
+
+    def edit(model, opt):
+        opt.state[model[2].weight]["step"] = 0
+
+    from bagua_integrations import _planner
+
+    watches = []
+    original = _planner.StepPlanner._see_state
+
+    def see_state(planner):
+        original(planner)
+        watches.append(planner._state_seen)
+
+    monkeypatch.setattr(_planner.StepPlanner, "_see_state", see_state)
+    _edited_run(make, {4: edit}, steps=7)
+    assert watches[1] is watches[2] is watches[3], "a usual step built a new state watch"
+
+    monkeypatch.setattr(_planner.StateWatch, "same_objects",
+                        lambda watch, state, generation: watch.same_frame(state, generation))  # values not compared
+    with pytest.raises(AssertionError, match="step 4"):
+        _edited_run(make, {4: edit}, steps=7)
+
+
 def test_a_replaced_entry_is_followed_after_it_looked_unchanged():
     """``optimizer.state[p]`` replaced by an equal-looking dict (same keys, same values): the next
     edit happens in the new dict, and must be followed like one in the old."""
