@@ -155,6 +155,11 @@ _PARAM, _GRAD, _GRAD_VIEW, _PARAM_PTR = attrgetter("param"), attrgetter("grad"),
 _TOKEN, _TOKEN_AND_BRANCH = attrgetter("token"), attrgetter("token", "branch")
 
 
+def _hold_their_views(entries: List[Dict[str, Any]], key: str, views: List[torch.Tensor]) -> bool:
+    """Each entry's ``key`` is its slot's view of the flat state (one C-level pass)."""
+    return all(map(is_, map(dict.get, entries, repeat(key)), views))
+
+
 def _all_like(values: List[Any], meta: Tuple[torch.Size, torch.dtype, torch.device]) -> bool:
     """Every one of ``values`` is a plain tensor (no subclass: a DTensor's copy dispatches on its
     own) of this shape, dtype and device, checked in C-level passes."""
@@ -553,8 +558,7 @@ class StepPlanner:
         checked in one C-level pass where every entry already holds its view (a usual step)."""
         buffer = run.buffer
         if key in buffer.state:
-            views = buffer.state_views(key, run.first, run.last)
-            if all(map(is_, map(dict.get, entries, repeat(key)), views)):
+            if _hold_their_views(entries, key, buffer.state_views(key, run.first, run.last)):
                 return
         for slot, per_param in zip(run.slots, entries):
             current = per_param[key]
@@ -603,8 +607,8 @@ class StepPlanner:
                 seg = run.segmentation
                 if seg is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == seg.scalar_shape:
                     self._write_per_segment_state(run, key, value, entries)
-                elif seg is not None and isinstance(value, torch.Tensor) and stacked_row_values(value, seg) is not None:
-                    self._write_per_segment_state(run, key, stacked_row_values(value, seg), entries)
+                elif seg is not None and isinstance(value, torch.Tensor) and (row := stacked_row_values(value, seg)) is not None:
+                    self._write_per_segment_state(run, key, row, entries)
                 elif seg is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == seg.shape:
                     self._write_flat_state(run, key, value.reshape(-1), entries)
                 elif seg is None and isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -638,7 +642,7 @@ class StepPlanner:
         buffer = run.buffer
         buffer.adopt_or_copy_state(key, run.start, run.end, value)
         views = buffer.state_views(key, run.first, run.last)
-        if all(map(is_, map(dict.get, entries, repeat(key)), views)):  # a usual step: each holds its view
+        if _hold_their_views(entries, key, views):  # a usual step
             return
         for per_param, view in zip(entries, views):
             if per_param.get(key) is not view:
