@@ -11,10 +11,13 @@ Three details make this work for *any* elementwise optimizer:
   so falling back to the eager fused step never sees a half-applied update.
 * Scalar hyper-parameters passed as ``alpha=`` / ``value=`` / ``lerp`` weights are specialized
   by Dynamo (a recompile for every new learning rate). :class:`ScalarsAsOperands` rewrites
-  those calls into multiplications at trace time, which Dynamo keeps symbolic.
-* torch.optim groups run their single-tensor implementation: with one flat tensor per buffer,
-  ``foreach`` buys nothing and its scalar arguments specialize. ``fused=True`` groups keep
-  torch's hand-written kernel (already one kernel per flat tensor) and are not compiled.
+  those calls into multiplications at trace time, which Dynamo keeps symbolic. ``_foreach_*``
+  calls carrying Python scalars run element by element through the same rewrites: left as
+  foreach calls, their scalars recompile each step on CPU and, on CUDA (torch 2.11, Triton),
+  were baked into the first graph with no guard at all (a schedule silently ignored).
+* torch.optim groups run their single-tensor implementation (``foreach=None`` too, which picks
+  foreach on CUDA): with one flat tensor per buffer, ``foreach`` buys nothing. ``fused=True``
+  groups keep torch's hand-written kernel (already one kernel per flat tensor) and are not compiled.
 """
 
 from __future__ import annotations
@@ -54,18 +57,29 @@ _ADDC = {
     torch.addcdiv: (torch.add, torch.div),
 }
 _LERP = {_T.lerp_: _T.add_, _T.lerp: torch.add, torch.lerp: torch.add}
-# The same calls on lists: (function, its add, the combining function of addcmul/addcdiv)
-_FOREACH_ALPHA = {torch._foreach_add_: torch._foreach_add_, torch._foreach_add: torch._foreach_add,
-                  torch._foreach_sub_: torch._foreach_sub_, torch._foreach_sub: torch._foreach_sub}
-_FOREACH_ADDC = {torch._foreach_addcmul_: (torch._foreach_add_, torch._foreach_mul),
-                 torch._foreach_addcmul: (torch._foreach_add, torch._foreach_mul),
-                 torch._foreach_addcdiv_: (torch._foreach_add_, torch._foreach_div),
-                 torch._foreach_addcdiv: (torch._foreach_add, torch._foreach_div)}
-_FOREACH_LERP = {torch._foreach_lerp_: torch._foreach_add_, torch._foreach_lerp: torch._foreach_add}
+# Elementwise ``_foreach_*`` calls that may carry Python scalars (an ``lr``), by function: the
+# per-tensor method each element runs, and whether the call is in place.
+_FOREACH_SCALAR_OPS = {
+    getattr(torch, f"_foreach_{base}{suffix}"): (getattr(_T, f"{base}{suffix}"), suffix == "_")
+    for base in ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "clamp_min", "clamp_max", "addcmul",
+                 "addcdiv", "lerp")
+    for suffix in ("", "_")
+    if hasattr(torch, f"_foreach_{base}{suffix}") and hasattr(_T, f"{base}{suffix}")
+}
 
 
 def _is_list(value) -> bool:
     return isinstance(value, (list, tuple))
+
+
+def _is_python_number(value) -> bool:
+    return isinstance(value, (float, int, torch.SymFloat, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _carries_python_numbers(args, kwargs) -> bool:
+    values = list(args) + list(kwargs.values())
+    return any(_is_python_number(v) or (_is_list(v) and v and _is_python_number(v[0])) for v in values)
+
 
 # Graph count after which the compiled step is abandoned for the eager fused step: the
 # first compile, one recompile when Dynamo makes changing scalars symbolic, and slack for
@@ -90,22 +104,28 @@ class ScalarsAsOperands(TorchFunctionMode):
         if func in _LERP and len(args) == 3 and not isinstance(args[2], _T) and not kwargs:
             start, end, weight = args
             return _LERP[func](start, (end - start) * weight)
-        # ``_foreach_*`` calls too: a segmented step splits them per run inside its own mode, past
-        # this one, and a learning rate reaching them as ``alpha=`` was seen specialized there with
-        # no guard (pytorch-optimizer's Lamb under LambdaLR: the first graph's rate kept, no recompile)
-        if func in _FOREACH_ALPHA and "alpha" in kwargs and len(args) == 2 and _is_list(args[1]):
-            alpha = kwargs.pop("alpha")
-            return _FOREACH_ALPHA[func](args[0], torch._foreach_mul(args[1], alpha), **kwargs)
-        if func in _FOREACH_ADDC and (len(args), "value" in kwargs) in ((3, True), (4, False)):
-            value = kwargs["value"] if len(args) == 3 else args[3]
-            if not isinstance(value, _T) and not _is_list(value):  # one scalar (not a list, nor a tensor of them)
-                add, combine = _FOREACH_ADDC[func]
-                rest = {k: v for k, v in kwargs.items() if k != "value"}
-                return add(args[0], torch._foreach_mul(combine(args[1], args[2]), value), **rest)
-        if func in _FOREACH_LERP and len(args) == 3 and not kwargs and not isinstance(args[2], _T) and not _is_list(args[2]):
-            start, end, weight = args
-            return _FOREACH_LERP[func](start, torch._foreach_mul(torch._foreach_sub(end, start), weight))
+        # ``_foreach_*`` calls too: a Python scalar there (``_foreach_mul_(params, 1 - lr * wd)``,
+        # ``alpha=-lr``) is specialized, and was seen specialized with no guard (pytorch-optimizer's
+        # Lamb under LambdaLR kept its first graph's rate). A foreach op is a loop over its lists:
+        # each element runs as its per-tensor op, through the rewrites above.
+        if func in _FOREACH_SCALAR_OPS and _carries_python_numbers(args, kwargs):
+            return self._each_element(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _each_element(self, func, args, kwargs):
+        op, in_place = _FOREACH_SCALAR_OPS[func]
+        if not _is_list(args[0]):  # _foreach_pow(scalar, tensors)
+            op = torch.pow
+        length = len(next(a for a in args if _is_list(a)))
+        results = []
+        for i in range(length):
+            element = [a[i] if _is_list(a) else a for a in args]
+            element_kwargs = kwargs
+            if op in (_T.addcmul, _T.addcmul_, _T.addcdiv, _T.addcdiv_) and len(element) == 4:  # scalar (list) value
+                element_kwargs = dict(kwargs, value=element.pop())
+            # a mode is paused while it handles a call: route each element through it explicitly
+            results.append(self.__torch_function__(op, (), tuple(element), element_kwargs))
+        return None if in_place else results
 
 
 _COMPILER_WORKS = None
@@ -136,17 +156,24 @@ def compile_unavailable_reason(path: str = "elementwise") -> Optional[str]:
 
 @contextmanager
 def _single_tensor_groups(optimizer):
-    """torch.optim groups take their single-tensor code path while the compiled step runs."""
+    """torch.optim groups take their single-tensor code path while the compiled step runs.
+
+    ``foreach=None`` counts too: torch.optim then picks its foreach implementation for CUDA
+    tensors, and that path compiled on CUDA (torch 2.11, Triton) kept the first graph's learning
+    rate with no recompile (AdamW under LambdaLR drifted from the unfused step). Other optimizers'
+    ``foreach=None`` keeps its meaning (their own choice), ``foreach=True`` is turned off for all.
+    """
+    torch_optim = type(optimizer).__module__.startswith("torch.optim")
     changed = []
     for group in optimizer.param_groups:
-        if group.get("foreach"):
-            changed.append(group)
+        if "foreach" in group and (group["foreach"] or (torch_optim and group["foreach"] is None)):
+            changed.append((group, group["foreach"]))
             group["foreach"] = False
     try:
         yield
     finally:
-        for group in changed:
-            group["foreach"] = True
+        for group, value in changed:
+            group["foreach"] = value
 
 
 def _float_hyperparameters(optimizer) -> tuple:

@@ -12,6 +12,8 @@
 # Smaller pieces, when a part needs its whole time budget:
 #   tests-cuda | tests-suite | bench-fp32 | bench-bf16 | codec | fsdp2
 #   host: segmented CUDA tests, then the step's host overhead (--model tiny) and BERT-base (~5 min)
+#   recipe: Bagua's BERT-base table (python -m recipes.bert_benchmark --preset bert-base), fp32 then bf16,
+#           on RECIPE_EPOCHS of an epoch (default 0.05: ~105 updates a row, epoch time extrapolated)
 #
 # Logs and JSON go to $OUT (default: ./gpu_checklist_out). Run from anywhere; it cd's to the repo.
 # Environment knobs: PYTHON (default python3), PYTEST_EXTRA (more pytest arguments),
@@ -149,8 +151,14 @@ case "${1:-}" in
             run_logged 120 "$OUT/bench_$model.log" $PY benchmarks/bench_optimizer_step.py --device cuda --model $model \
                 --repeats $([ $model = tiny ] && echo 100 || echo 30) --rows "$HOST_ROWS" --json "$OUT/step_$model.json" --require-compiled
         done ;;
+    recipe) environment
+        for precision in ${RECIPE_PRECISIONS:-fp32 bf16}; do
+            run_logged "$([ $precision = fp32 ] && echo 200 || left)" "$OUT/recipe_$precision.log" $PY -m recipes.bert_benchmark \
+                --preset bert-base --epochs "${RECIPE_EPOCHS:-0.05}" --precision $precision --no-progress \
+                --out-dir "$OUT/recipe_$precision"
+        done ;;
     lent) environment; bench fp32 270 "$LENT_ROWS"; codec 70; fsdp2 120; bench bf16 "$(left)" "$LENT_BF16_ROWS" ;;
-    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2}" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2}" >&2; exit 2 ;;
 esac
 echo "# part '${1}' done in $((SECONDS - START)) s, status $STATUS; logs in $OUT"
 exit $STATUS

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SEED = 0
@@ -79,3 +81,42 @@ def count_replans(monkeypatch):
 
     monkeypatch.setattr(fused_module.Fusion, "_replan", counting)
     return calls
+
+
+class ForeachScalarsAdam(torch.optim.Optimizer):
+    """An Adam written the way many installed optimizers are: ``torch._foreach_*`` calls over the
+    group, hyper-parameters passed as Python scalars (``alpha=``, ``value=``, a lerp weight, plain
+    scalar operands, a bias correction from a Python step count). Compiled on CUDA with torch 2.11,
+    such scalars were baked into the first graph with no guard: a scheduled learning rate was
+    silently ignored."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            states = [self.state[p] for p in params]
+            for p, state in zip(params, states):
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+            beta1, beta2 = group["betas"]
+            lr, step = group["lr"], states[0]["step"]
+            exp_avgs = [s["exp_avg"] for s in states]
+            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, math.sqrt(1 - beta2**step))
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1**step))
+        return None

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from _fused_utils import TinyNet, assert_same_params, batches, two_groups
+from _fused_utils import ForeachScalarsAdam, TinyNet, assert_same_params, assert_same_state, batches, two_groups
 from bagua_integrations import CompileFallbackWarning, fuse_optimizer, fusion_report
 from bagua_integrations import _compile
 from bagua_integrations.optim import BertAdam
@@ -246,4 +246,49 @@ def test_a_scheduled_learning_rate_reaching_foreach_calls_on_segmented_runs_is_f
             _run(model, opt, data, scheduler)
     report = fusion_report(fused)
     assert report.group_paths == ["segmented"] and report.compiled, report  # (compiled: the last step ran the kernel)
+    assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
+
+
+def test_python_scalars_reaching_foreach_calls_follow_a_schedule_without_recompiling():
+    """``_foreach_*`` calls with Python scalars (``alpha=``, ``value=``, lerp weights, plain operands)
+    run element by element inside the compiled step, so the scalars stay graph inputs: one graph for
+    the first step and one making them symbolic, however the learning rate moves. (Left as foreach
+    calls they recompile on every new rate here; on CUDA with torch 2.11 they kept the first graph's
+    rate with no recompile at all: see tests/test_cuda.py.)"""
+    data = batches(10)
+    models = [TinyNet() for _ in range(2)]
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    plain = ForeachScalarsAdam(two_groups(models[0], lr=3e-3), **kwargs)
+    fused = fuse_optimizer(ForeachScalarsAdam(two_groups(models[1], lr=3e-3), **kwargs), compile=True)
+    for model, opt in zip(models, (plain, fused)):
+        _run(model, opt, data, O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)))
+    report = fusion_report(fused)
+    assert report.compiled and report.compile_disabled_reason is None, report
+    assert report.compile_graphs <= 2, report
+    assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
+    assert_same_state(plain, fused, rtol=2e-5, atol=1e-6)
+
+
+def test_torch_optim_groups_with_foreach_left_to_torch_trace_their_single_tensor_step(monkeypatch):
+    """``foreach=None`` lets torch.optim pick its implementation: foreach for CUDA tensors. Inside the
+    compiled step it is the single-tensor one (its scalars stay symbolic), and the group's setting is
+    left as the user gave it. Here torch is made to pick foreach on CPU, as it does on CUDA."""
+    adam_module = __import__("torch.optim.adam", fromlist=["adam"])
+    monkeypatch.setattr(adam_module, "_default_to_fused_or_foreach", lambda *args, **kwargs: (False, True))
+    picked = []  # whether each call of the foreach implementation was being traced by the compiler
+    multi_tensor = adam_module._multi_tensor_adam
+    monkeypatch.setattr(adam_module, "_multi_tensor_adam",
+                        lambda *a, **k: (picked.append(torch.compiler.is_compiling()), multi_tensor(*a, **k))[1])
+    data = batches(6)
+    models = [TinyNet() for _ in range(2)]
+    plain = O.AdamW(two_groups(models[0], lr=3e-3), lr=1e-2, weight_decay=0.1)
+    fused = fuse_optimizer(O.AdamW(two_groups(models[1], lr=3e-3), lr=1e-2, weight_decay=0.1), compile=True)
+    _run(models[0], plain, data, O.lr_scheduler.LambdaLR(plain, lambda s: 1.0 / (1 + s)))
+    assert picked, "the unfused step picks foreach: the test's premise"
+    picked.clear()
+    _run(models[1], fused, data, O.lr_scheduler.LambdaLR(fused, lambda s: 1.0 / (1 + s)))
+    report = fusion_report(fused)
+    assert report.compiled and report.compile_disabled_reason is None and report.compile_graphs > 0, report
+    assert not any(picked), "a compiled fused step traced torch's foreach implementation"
+    assert all(group["foreach"] is None for group in fused.param_groups)
     assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from _dist_models import MLP, flat_params, gather_flat, global_batches, local_batches, loss_fn, max_param_diff, shard
 from _dist_utils import free_port, run_ranks, run_scenarios, scenario_value, values
-from _fused_utils import TinyNet, assert_same_params, assert_same_state, batches, two_groups
+from _fused_utils import ForeachScalarsAdam, TinyNet, assert_same_params, assert_same_state, batches, two_groups
 from bagua_integrations import fuse_optimizer, fusion_report
 from bagua_integrations import _compile
 from bagua_integrations.distributed import bagua_init
@@ -171,6 +171,15 @@ def _pytorch_optimizer_lamb(params, **kwargs):
 
 COMPILED_CASES = {
     "AdamW": (O.AdamW, dict(lr=1e-3, weight_decay=0.01)),
+    # torch.optim's default on CUDA is foreach (on CPU the single-tensor loop): compiled as such on
+    # torch 2.11 + Triton it kept the first graph's learning rate, no recompile (2.4e-4 relative
+    # off after 6 steps); compiled steps now trace the single-tensor implementation
+    "AdamW-foreach": (O.AdamW, dict(lr=1e-3, weight_decay=0.01, foreach=True)),
+    "AdamW-single": (O.AdamW, dict(lr=1e-3, weight_decay=0.01, foreach=False)),
+    "SGD-momentum": (O.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.01)),
+    # Python scalars in _foreach_* calls (alpha=, value=, lerp weights, operands): the same silent stale
+    # rate on CUDA when left as foreach calls (1.4e-3 relative for a foreach momentum SGD)
+    "ForeachScalarsAdam": (ForeachScalarsAdam, dict(lr=1e-3, weight_decay=0.01)),
     "BertAdam": (BertAdam, dict(lr=1e-3, max_grad_norm=-1.0)),
     # segmented: each parameter's norms combined from block partials (segment_combine) on the GPU
     "BertAdam-clipped": (BertAdam, dict(lr=1e-3)),
