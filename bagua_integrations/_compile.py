@@ -22,6 +22,7 @@ Three details make this work for *any* elementwise optimizer:
 
 from __future__ import annotations
 
+import math
 import time
 import types
 import warnings
@@ -66,6 +67,13 @@ _FOREACH_SCALAR_OPS = {
     for suffix in ("", "_")
     if hasattr(torch, f"_foreach_{base}{suffix}") and hasattr(_T, f"{base}{suffix}")
 }
+
+
+# ``_foreach_maximum(tensors, scalar)`` is a clamp (``torch.maximum`` takes tensors only; no
+# ``Tensor.maximum_``: the in-place calls are expanded only with scalars, as clamps)
+_SCALAR_FORMS = {_T.maximum: _T.clamp_min, _T.minimum: _T.clamp_max}
+_FOREACH_SCALAR_OPS[torch._foreach_maximum_] = (_T.clamp_min_, True)
+_FOREACH_SCALAR_OPS[torch._foreach_minimum_] = (_T.clamp_max_, True)
 
 
 def _is_list(value) -> bool:
@@ -121,11 +129,12 @@ class ScalarsAsOperands(TorchFunctionMode):
         for i in range(length):
             element = [a[i] if _is_list(a) else a for a in args]
             element_kwargs = kwargs
+            element_op = _SCALAR_FORMS.get(op, op) if len(element) == 2 and _is_python_number(element[1]) else op
             if op in (_T.addcmul, _T.addcmul_, _T.addcdiv, _T.addcdiv_) and len(element) == 4:  # scalar (list) value
                 element_kwargs = dict(kwargs, value=element.pop())
             # a mode is paused while it handles a call: route each element through it explicitly
-            results.append(self.__torch_function__(op, (), tuple(element), element_kwargs))
-        return None if in_place else results
+            results.append(self.__torch_function__(element_op, (), tuple(element), element_kwargs))
+        return args[0] if in_place else results  # an in-place foreach call returns its list
 
 
 _COMPILER_WORKS = None
@@ -186,6 +195,28 @@ def _float_hyperparameters(optimizer) -> tuple:
             elif type(value) in (tuple, list) and len(value) <= 8:
                 found.extend((i, key, j) for j, v in enumerate(value) if type(v) is float)
     return tuple(found)
+
+
+def _python_floats(optimizer) -> Dict[tuple, float]:
+    """The Python floats in the param groups and the state entries, by where they are."""
+    found = {}
+    for i, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if type(value) is float:
+                found[("param group", i, key)] = value
+    for param, entry in optimizer.state.items():
+        if isinstance(entry, dict):
+            for key, value in entry.items():
+                if type(value) is float:
+                    found[("state", id(param), key)] = value
+    return found
+
+
+def _floats_written(before: Dict[tuple, float], after: Dict[tuple, float]) -> list:
+    """Where ``after`` holds a float that ``before`` did not (a new key, or another value; NaN == NaN)."""
+    return sorted({(where, key) for (where, _, key), value in after.items()
+                   if (where, _, key) not in before or not (before[(where, _, key)] == value or
+                                                            (math.isnan(value) and math.isnan(before[(where, _, key)])))})
 
 
 def _step_with_scalars_as_operands(optimizer, raw_step, mode=None, floats=()):
@@ -267,6 +298,7 @@ class CompiledStep:
         graphs_before = self.graphs
         started = time.perf_counter()
         forget_float_specializations()
+        floats_before = _python_floats(optimizer)
         try:
             with _single_tensor_groups(optimizer), torch.no_grad(), dynamo_recompile_limit(self.max_graphs + 1), \
                     math_pow_kept_symbolic():
@@ -278,6 +310,16 @@ class CompiledStep:
                 raise late from None
             self._disable(_describe(exc))
             return False
+        written = _floats_written(floats_before, _python_floats(optimizer))
+        if written:
+            # Compiled code writes such floats back wrong once it has made them graph inputs, which
+            # happens on a recompile (torch 2.13 and 2.14.1: a running sum ``group["weight_sum"] += w``
+            # kept an old value from the third call on; 2.5.1: ``group["x"] = 1 / step`` read back
+            # next step). The call that first shows the write has been right in every case seen (a
+            # first graph, where the floats are constants); from the next step on, eager.
+            places = ", ".join(f"{where} {key!r}" for where, key in written)
+            self._disable(f"its step writes Python floats ({places}), which compiled code has been seen to "
+                          "write back wrong on later steps")
         if self.graphs > graphs_before:
             self.compile_seconds += time.perf_counter() - started
             if self.graphs > self.max_graphs:

@@ -794,7 +794,7 @@ class SegmentedMode(TorchFunctionMode):
                 element_kwargs = dict(kwargs, value=element.pop())
             # the mode is paused while it handles a call: route each element through it explicitly
             results.append(self.__torch_function__(op, (), tuple(element), element_kwargs))
-        return None if func in _FOREACH_IN_PLACE else results
+        return args[0] if func in _FOREACH_IN_PLACE else results  # an in-place foreach call returns its list
 
     # ------------------------------------------------------------------ lists over runs
     def _is_list_over_runs(self, values) -> bool:

@@ -292,3 +292,102 @@ def test_torch_optim_groups_with_foreach_left_to_torch_trace_their_single_tensor
     assert not any(picked), "a compiled fused step traced torch's foreach implementation"
     assert all(group["foreach"] is None for group in fused.param_groups)
     assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
+
+
+def _foreach_cases():
+    a = [torch.tensor([1.0, -2.0, float("nan")]), torch.tensor([[3.0, 0.5]])]
+    b = [torch.tensor([0.5, 4.0, 1.0]), torch.tensor([[-1.0, 2.0]])]
+    c = [torch.tensor([2.0, 3.0, 5.0]), torch.tensor([[1.5, 0.25]])]
+    t = torch
+    return {
+        "add scalar": (t._foreach_add, (a, 0.3), {}),
+        "add_ alpha": (t._foreach_add_, (a, b), {"alpha": -0.25}),
+        "sub scalar list": (t._foreach_sub, (a, [0.5, 2.0]), {}),
+        "mul_ scalar": (t._foreach_mul_, (a, 0.9), {}),
+        "div scalar list": (t._foreach_div, (a, [3.0, -0.5]), {}),
+        "pow scalar exponent": (t._foreach_pow, (c, 0.5), {}),
+        "pow scalar base": (t._foreach_pow, (2.0, a), {}),
+        "maximum scalar": (t._foreach_maximum, (a, 0.7), {}),
+        "maximum_ scalar": (t._foreach_maximum_, (a, 0.0), {}),
+        "minimum scalar list": (t._foreach_minimum, (a, [0.1, 1.0]), {}),
+        "minimum_ scalar": (t._foreach_minimum_, (a, 0.2), {}),
+        "clamp_min_ scalar": (t._foreach_clamp_min_, (a, -1.0), {}),
+        "clamp_max scalar": (t._foreach_clamp_max, (a, 0.6), {}),
+        "addcmul_ value": (t._foreach_addcmul_, (a, b, c), {"value": 0.1}),
+        "addcdiv scalar list": (t._foreach_addcdiv, (a, b, c, [0.5, -2.0]), {}),
+        "lerp_ scalar weight": (t._foreach_lerp_, (a, b, 0.25), {}),
+        "maximum tensors (not rewritten)": (t._foreach_maximum, (a, b), {}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_foreach_cases()))
+def test_foreach_calls_with_python_scalars_run_element_by_element_with_the_same_results(case):
+    """The element-by-element form of each ``_foreach_*`` call the compiled step rewrites gives what
+    the call gives (in place or not, scalar or scalar-list operands, NaN included)."""
+    def run(rewritten: bool):
+        func, args, kwargs = _foreach_cases()[case]  # fresh tensors: in-place calls change them
+        lists = [a for a in args if isinstance(a, list) and isinstance(a[0], torch.Tensor)]
+        if rewritten:
+            with _compile.ScalarsAsOperands():
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        return out, lists
+
+    (expected, expected_lists), (got, got_lists) = run(False), run(True)
+    assert (got is None) == (expected is None)
+    if expected is not None and expected is expected_lists[0]:  # in place: torch returns the list it updated
+        assert got is got_lists[0]
+    for e, g in zip(expected or [], got or []):
+        torch.testing.assert_close(g, e, equal_nan=True, rtol=0, atol=0)
+    for e_list, g_list in zip(expected_lists, got_lists):
+        for e, g in zip(e_list, g_list):
+            torch.testing.assert_close(g, e, equal_nan=True, rtol=0, atol=0)
+
+
+class RunningSumSGD(torch.optim.Optimizer):
+    """A step that keeps a running sum in its param group, as schedule-free optimizers keep
+    ``weight_sum``: a Python float read, updated and written back by every step, and used in the
+    update. Compiled, torch 2.13 and 2.14.1 wrote the sum back wrong from the third call on (the
+    parameters then moved by the wrong amount)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr, weight_sum=0.0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["weight_sum"] = group["weight_sum"] + 2.0
+            share = 2.0 / group["weight_sum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["z"] = p.detach().clone()
+                state["z"].sub_(p.grad, alpha=group["lr"])
+                p.lerp_(state["z"], share)
+
+
+def test_a_step_writing_python_floats_is_compiled_once_then_eager_with_the_unfused_numbers():
+    data = batches(8)
+    models = [TinyNet() for _ in range(2)]
+    plain = RunningSumSGD(two_groups(models[0], lr=0.05))
+    fused = fuse_optimizer(RunningSumSGD(two_groups(models[1], lr=0.05)), compile=True)
+    _run(models[0], plain, data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(models[1], fused, data)
+    assert [g["weight_sum"] for g in fused.param_groups] == [g["weight_sum"] for g in plain.param_groups] == [16.0, 16.0]
+    assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
+    report = fusion_report(fused)
+    assert report.compile_graphs == 1 and not report.compiled, report
+    assert "writes Python floats (param group 'weight_sum')" in report.compile_disabled_reason
+    assert [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
+
+
+def test_floats_written_tells_a_new_or_changed_float_from_an_unchanged_one():
+    before = {("param group", 0, "lr"): 0.1, ("state", 7, "ratio"): float("nan")}
+    assert _compile._floats_written(before, dict(before)) == []
+    assert _compile._floats_written(before, {**before, ("param group", 0, "weight_sum"): 2.0}) == [("param group", "weight_sum")]
+    assert _compile._floats_written(before, {**before, ("state", 7, "ratio"): 0.5}) == [("state", "ratio")]
