@@ -22,7 +22,6 @@ Three details make this work for *any* elementwise optimizer:
 
 from __future__ import annotations
 
-import math
 import time
 import types
 import warnings
@@ -213,10 +212,11 @@ def _python_floats(optimizer) -> Dict[tuple, float]:
 
 
 def _floats_written(before: Dict[tuple, float], after: Dict[tuple, float]) -> list:
-    """Where ``after`` holds a float that ``before`` did not (a new key, or another value; NaN == NaN)."""
-    return sorted({(where, key) for (where, _, key), value in after.items()
-                   if (where, _, key) not in before or not (before[(where, _, key)] == value or
-                                                            (math.isnan(value) and math.isnan(before[(where, _, key)])))})
+    """Where ``after`` holds a float object that ``before`` did not: a new key, or a float written
+    there (a new object, even of the same value: a running sum that adds 0.0 for a while is written
+    all the same)."""
+    return sorted({(where, key) for (where, ident, key), value in after.items()
+                   if before.get((where, ident, key)) is not value})
 
 
 def _step_with_scalars_as_operands(optimizer, raw_step, mode=None, floats=()):

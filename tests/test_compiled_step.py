@@ -386,8 +386,13 @@ def test_a_step_writing_python_floats_is_compiled_once_then_eager_with_the_unfus
     assert [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
 
 
-def test_floats_written_tells_a_new_or_changed_float_from_an_unchanged_one():
-    before = {("param group", 0, "lr"): 0.1, ("state", 7, "ratio"): float("nan")}
+def test_floats_written_tells_a_float_written_by_the_step_from_one_left_alone():
+    """Written: a new key, or a new float object there, even of the same value (schedule-free RAdam adds
+    0.0 to its running sum while its rectification holds the rate at 0; missed, its compiled step went on
+    to a graph whose compile did not end in 20 minutes)."""
+    before = {("param group", 0, "lr"): 0.1, ("state", 7, "ratio"): float("nan"), ("param group", 0, "sum"): 0.0}
     assert _compile._floats_written(before, dict(before)) == []
+    same_value = float("0." + "0")  # a new object equal to the old one
+    assert _compile._floats_written(before, {**before, ("param group", 0, "sum"): same_value}) == [("param group", "sum")]
     assert _compile._floats_written(before, {**before, ("param group", 0, "weight_sum"): 2.0}) == [("param group", "weight_sum")]
     assert _compile._floats_written(before, {**before, ("state", 7, "ratio"): 0.5}) == [("state", "ratio")]
