@@ -197,17 +197,21 @@ def _float_hyperparameters(optimizer) -> tuple:
 
 
 def _python_floats(optimizer) -> Dict[tuple, float]:
-    """The Python floats in the param groups and the state entries, by where they are."""
+    """The Python floats in the param groups and in the state entries of their parameters (what a
+    step writes), by where they are. Only the groups' parameters: per-tensor steps call this once
+    per parameter, and a scan of the whole state there was quadratic in the parameter count."""
     found = {}
+    state = optimizer.state
     for i, group in enumerate(optimizer.param_groups):
         for key, value in group.items():
             if type(value) is float:
                 found[("param group", i, key)] = value
-    for param, entry in optimizer.state.items():
-        if isinstance(entry, dict):
-            for key, value in entry.items():
-                if type(value) is float:
-                    found[("state", id(param), key)] = value
+        for param in group["params"]:
+            entry = state.get(param)
+            if isinstance(entry, dict):
+                for key, value in entry.items():
+                    if type(value) is float:
+                        found[("state", id(param), key)] = value
     return found
 
 
