@@ -57,6 +57,7 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._nested_state import tensor_leaves, with_leaves
 from ._optimizer_copy import optimizer_like
 from ._torch_compat import aten_operator_packet, exception_chain, size_hint
 from ._verify import _rng_devices
@@ -406,8 +407,12 @@ class DryRun:
             length = proxy.numel()
             entry = state[dry]
             for key, value in run.state.items():
+                leaves = tensor_leaves(value)  # a container of run-shaped tensors: each one of the dry size
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == length:
                     entry[key] = torch.zeros(size, dtype=value.dtype, device=value.device)
+                elif leaves is not None and all(leaf.dim() > 0 and leaf.numel() == length for _, leaf in leaves):
+                    entry[key] = with_leaves(value, {path: torch.zeros(size, dtype=leaf.dtype, device=leaf.device)
+                                                     for path, leaf in leaves}, copy=True)
                 else:
                     entry[key] = _copied(value)
             params_by_group[index].append(dry)

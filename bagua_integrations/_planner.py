@@ -17,6 +17,9 @@ by one. Vocabulary (see also ``_flat.py``):
   they were advanced alike).
 * **per-tensor parameters** -- stepped with their own tensors: groups that are not
   elementwise, sparse gradients, and state not shaped like the parameter.
+* **nested state** -- an entry holding a container of parameter-shaped tensors (AggMo's
+  ``{beta: buffer}``): each tensor has a flat state buffer of its own, keyed ``(key, *path)``
+  (``_nested_state.py``), and the run's container holds the run's slices of them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from ._flat import FlatBuffer, Slot, shard_of
 from ._layout import FlatLayout
+from ._nested_state import leaf_at, structure, tensor_leaves, with_leaves
 from ._probe import probe_empty_group
 from ._segmented import Segmentation, run_shape, stacked_row_values, state_kind
 from ._torch_compat import tensor_versions
@@ -139,6 +143,10 @@ def _state_signature(state: Dict[str, Any], param: torch.Tensor):
             if value.shape != param.shape:
                 return None
             tensors.append((key, value.dtype))
+        elif (leaves := tensor_leaves(value)) is not None:
+            if any(leaf.shape != param.shape for _, leaf in leaves):
+                return None
+            tensors.append((key, structure(value)))
         elif isinstance(value, torch.Tensor):
             scalars.append((key, value.item(), value.dtype, value.device))
         elif _hashable(value):
@@ -180,7 +188,8 @@ class StateWatch:
       fused parameter's entry (deleted, added, replaced) without hashing a parameter;
     * each key seen in a fused parameter's entry still holds the same value (by identity), and
       the entries hold no more keys than they did (their lengths add up the same);
-    * each one-element tensor among those values has the same ``_version`` (in-place edits).
+    * each one-element tensor among those values has the same ``_version`` (in-place edits);
+    * each container of tensors among them (nested state) holds the same tensors.
 
     Identity is exact: the fused parameters are held by the layout, and the watch holds the
     state's keys and the fused entries with their values, so none of them can be freed and its
@@ -206,6 +215,9 @@ class StateWatch:
         self.values = list(chain.from_iterable(map(dict.values, entries)))
         self.scalars = [v for v in self.values if isinstance(v, torch.Tensor) and v.numel() == 1]
         self.versions = tensor_versions(self.scalars)
+        # the tensors of nested state (``{beta: buffer}``): a container holds its leaves by identity too
+        self.nested = [(value, path, leaf) for value in self.values if type(value) in (dict, list, tuple)
+                       for path, leaf in tensor_leaves(value) or ()]
 
     def same_frame(self, state, generation: int) -> bool:
         """The cheap part of :meth:`same_objects`: same dict, layout and number of entries."""
@@ -221,6 +233,7 @@ class StateWatch:
             and list(map(id, state.values())) == self.entry_ids
             and all(map(is_, map(dict.get, self.owners, self.entry_keys, repeat(_MISSING)), self.values))
             and sum(map(len, self.entries)) == self.length
+            and all(leaf_at(value, path) is leaf for value, path, leaf in self.nested)
         )
 
     def unchanged(self, state, generation: int) -> bool:
@@ -579,9 +592,26 @@ class StepPlanner:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 self._sync_run_state(run, key, entries)
                 run.state[key] = buffer.state_slice(key, run.start, run.end)
+            elif (leaves := tensor_leaves(value)) is not None:  # (the signature made it alike across the run)
+                slices = {}
+                for path, _ in leaves:
+                    self._sync_nested_run_state(run, key, path, entries)
+                    slices[path] = buffer.state_slice((key,) + path, run.start, run.end)
+                run.state[key] = with_leaves(value, slices, copy=True)
             else:
                 run.state[key] = value
         return run
+
+    def _sync_nested_run_state(self, run: Run, key: str, path: Tuple, entries: List[Dict[str, Any]]) -> None:
+        """:meth:`_sync_run_state` of the leaf at ``path`` of each parameter's container ``key``."""
+        buffer, flat_key = run.buffer, (key,) + path
+        currents = [leaf_at(entry[key], path) for entry in entries]
+        if flat_key in buffer.state and all(map(is_, currents, buffer.state_views(flat_key, run.first, run.last))):
+            return
+        for slot, per_param, current in zip(run.slots, entries, currents):
+            synced = buffer.sync_state(flat_key, slot, current)
+            if synced is not current:
+                self._put(per_param, key, with_leaves(per_param[key], {path: synced}))  # (the same dict: noted)
 
     # ------------------------------------------------------------------ after the step
     def write_back(self, plan: StepPlan, swapped_state) -> None:
@@ -613,6 +643,9 @@ class StepPlanner:
                     self._write_flat_state(run, key, value.reshape(-1), entries)
                 elif seg is None and isinstance(value, torch.Tensor) and value.dim() > 0:
                     self._write_flat_state(run, key, value, entries)
+                elif seg is None and (leaves := tensor_leaves(value)) is not None and all(
+                        leaf.dim() > 0 for _, leaf in leaves):
+                    self._write_nested_state(run, key, value, leaves, entries)
                 else:
                     self._write_scalar_state(run, key, value, entries)
             for slot in run.slots:
@@ -633,12 +666,7 @@ class StepPlanner:
                 self._put(per_param, key, new.clone())
 
     def _write_flat_state(self, run: Run, key: str, value: torch.Tensor, entries) -> None:
-        if value.numel() != run.end - run.start or value.dim() != 1:
-            raise FusionError(
-                f"{type(self.optimizer).__name__} created state '{key}' of shape {tuple(value.shape)} "
-                f"for a flat tensor of shape {tuple(run.proxy.shape)}; its update is not elementwise. "
-                "Fuse it with on_unsupported='fallback' and without assume_elementwise=True."
-            )
+        self._check_run_shaped(run, key, value)
         buffer = run.buffer
         buffer.adopt_or_copy_state(key, run.start, run.end, value)
         views = buffer.state_views(key, run.first, run.last)
@@ -647,6 +675,31 @@ class StepPlanner:
         for per_param, view in zip(entries, views):
             if per_param.get(key) is not view:
                 self._put(per_param, key, view)
+
+    def _write_nested_state(self, run: Run, key: str, value, leaves, entries) -> None:
+        """A container of run-shaped tensors: each leaf into its flat state buffer, and each parameter's
+        container holding its views (a new one where it does not: one container per parameter)."""
+        buffer = run.buffer
+        views = []
+        for path, leaf in leaves:
+            self._check_run_shaped(run, f"{key}{list(path)}", leaf)
+            buffer.adopt_or_copy_state((key,) + path, run.start, run.end, leaf)
+            views.append(buffer.state_views((key,) + path, run.first, run.last))
+        paths = [path for path, _ in leaves]
+        for index, per_param in enumerate(entries):
+            current = per_param.get(key)
+            if current is not None and all(leaf_at(current, path) is view[index] for path, view in zip(paths, views)):
+                continue  # a usual step: it holds its views
+            self._put(per_param, key, with_leaves(value, {path: view[index] for path, view in zip(paths, views)},
+                                                  copy=True))
+
+    def _check_run_shaped(self, run: Run, key: str, value: torch.Tensor) -> None:
+        if value.numel() != run.end - run.start or value.dim() != 1:
+            raise FusionError(
+                f"{type(self.optimizer).__name__} created state '{key}' of shape {tuple(value.shape)} "
+                f"for a flat tensor of shape {tuple(run.proxy.shape)}; its update is not elementwise. "
+                "Fuse it with on_unsupported='fallback' and without assume_elementwise=True."
+            )
 
     def _write_scalar_state(self, run: Run, key: str, value, entries) -> None:
         if type(value) in _NUMBERS:

@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._late_reductions import _SIZE_READS, watched
+from ._nested_state import leaf_at, structure, tensor_leaves, with_leaves
 from ._optimizer_copy import optimizer_like
 from ._segmented import (_PYTHON_VALUES, _SCALAR_READS, StepNotes, Segmentation, SegmentedMode, run_shape,
                          segment_views, state_kind)
@@ -275,18 +276,31 @@ def _seed_pieces(optimizer, group, like: List[torch.Tensor], generator, template
     template, real_shape = optimizer.state[largest], largest.shape
     per_param: List[Dict[str, Any]] = [{} for _ in like]
     shaped = []
+
+    def synthetic(value: torch.Tensor) -> List[torch.Tensor]:
+        data = value.detach().double()
+        out = []
+        for p in like:
+            if bool((data == data.reshape(-1)[0]).all()):
+                piece = torch.full(p.shape, float(data.reshape(-1)[0]), dtype=torch.float64)
+            else:
+                piece = torch.rand(p.shape, generator=generator, dtype=torch.float64) * float(data.abs().max())
+                if bool((data < 0).any()):
+                    piece = piece * torch.randn(p.shape, generator=generator, dtype=torch.float64).sign()
+            out.append(piece.to(device=p.device, dtype=value.dtype))
+        return out
+
     for key, value in template.items():
+        leaves = tensor_leaves(value)  # a container of parameter-shaped tensors: each one synthetic
         if isinstance(value, torch.Tensor) and value.shape == real_shape:
             shaped.append(key)
-            data = value.detach().double()
-            for p, state in zip(like, per_param):
-                if bool((data == data.reshape(-1)[0]).all()):
-                    piece = torch.full(p.shape, float(data.reshape(-1)[0]), dtype=torch.float64)
-                else:
-                    piece = torch.rand(p.shape, generator=generator, dtype=torch.float64) * float(data.abs().max())
-                    if bool((data < 0).any()):
-                        piece = piece * torch.randn(p.shape, generator=generator, dtype=torch.float64).sign()
-                state[key] = piece.to(device=p.device, dtype=value.dtype)
+            for state, piece in zip(per_param, synthetic(value)):
+                state[key] = piece
+        elif leaves is not None and all(leaf.shape == real_shape for _, leaf in leaves):
+            shaped.append(key)
+            pieces = {path: synthetic(leaf) for path, leaf in leaves}
+            for i, state in enumerate(per_param):
+                state[key] = with_leaves(value, {path: made[i] for path, made in pieces.items()}, copy=True)
         else:
             for state in per_param:
                 state[key] = copy.deepcopy(value)
@@ -299,8 +313,17 @@ def _seed_state(optimizer, group, opt_a, per_tensor, opt_b, flat, generator, tem
     per_param, shaped = _seed_pieces(optimizer, group, per_tensor, generator, template)
     if per_param is None:
         return
-    flat_state = {key: _padded_cat([state[key] for state in per_param]) if key in shaped else copy.deepcopy(value)
-                  for key, value in per_param[0].items()}
+
+    def flat_value(key, value):
+        if key not in shaped:
+            return copy.deepcopy(value)
+        leaves = tensor_leaves(value)
+        if leaves is None:
+            return _padded_cat([state[key] for state in per_param])
+        return with_leaves(value, {path: _padded_cat([leaf_at(state[key], path) for state in per_param])
+                                   for path, _ in leaves}, copy=True)
+
+    flat_state = {key: flat_value(key, value) for key, value in per_param[0].items()}
     for p, state in zip(per_tensor, per_param):
         opt_a.state[p] = state
     opt_b.state[flat] = flat_state
@@ -402,6 +425,14 @@ def _untouched(optimizer):
             )
 
 
+def _compare_flat_leaf(key, value: torch.Tensor, pieces, flat, per_tensor) -> Optional[str]:
+    if value.shape != flat.shape:
+        return f"its state '{key}' has shape {tuple(value.shape)}, not the parameter's shape"
+    if any(not isinstance(v, torch.Tensor) or v.shape != p.shape for v, p in zip(pieces, per_tensor)):
+        return f"its state '{key}' is not shaped like each parameter"
+    return _mismatch(f"state '{key}'", torch.cat([v.reshape(-1) for v in pieces]), _unpadded(value, pieces))
+
+
 def _compare_flat(opt_a, per_tensor, opt_b, flat, init) -> Optional[str]:
     with torch.no_grad():
         reason = _mismatch("the parameter update", torch.cat([p.reshape(-1) for p in per_tensor]),
@@ -414,12 +445,17 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat, init) -> Optional[str]:
             return f"it keeps different state keys per tensor ({sorted(keys_a)}) and flat ({sorted(flat_state)})"
         for key, value in flat_state.items():
             pieces = [opt_a.state[p][key] for p in per_tensor]
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                if value.shape != flat.shape:
-                    return f"its state '{key}' has shape {tuple(value.shape)}, not the parameter's shape"
-                if any(not isinstance(v, torch.Tensor) or v.shape != p.shape for v, p in zip(pieces, per_tensor)):
-                    return f"its state '{key}' is not shaped like each parameter"
-                reason = _mismatch(f"state '{key}'", torch.cat([v.reshape(-1) for v in pieces]), _unpadded(value, pieces))
+            leaves = tensor_leaves(value)
+            if leaves is not None:  # a container of tensors (AggMo's {beta: buffer}): leaf by leaf
+                if any(structure(v) != structure(value) for v in pieces):
+                    return f"its state '{key}' holds tensors otherwise per tensor and flat"
+                for path, leaf in leaves:
+                    reason = _compare_flat_leaf(f"{key}{list(path)}", leaf, [leaf_at(v, path) for v in pieces],
+                                                flat, per_tensor)
+                    if reason:
+                        return reason
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                reason = _compare_flat_leaf(key, value, pieces, flat, per_tensor)
                 if reason:
                     return reason
             else:

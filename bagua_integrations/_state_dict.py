@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
+from ._nested_state import leaf_at, tensor_leaves, with_leaves
 from ._torch_compat import register_state_dict_post_hook
 
 __all__ = [
@@ -240,12 +241,14 @@ def compact_flat_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, A
         if not isinstance(entry, dict):
             continue
         for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.layout == torch.strided and _is_partial(value):
-                skey = _storage_key(value)
-                if skey in flat:
-                    span = (value.data_ptr(), value.numel() * value.element_size())
-                    views.setdefault(skey, {}).setdefault(span, []).append((index, name))
-                    storages[skey] = value
+            # a tensor, or each tensor of a container of them (nested state, e.g. AggMo's {beta: buffer})
+            for path, leaf in [((), value)] if isinstance(value, torch.Tensor) else tensor_leaves(value) or ():
+                if leaf.layout == torch.strided and _is_partial(leaf):
+                    skey = _storage_key(leaf)
+                    if skey in flat:
+                        span = (leaf.data_ptr(), leaf.numel() * leaf.element_size())
+                        views.setdefault(skey, {}).setdefault(span, []).append((index, name, path))
+                        storages[skey] = leaf
     copied: Dict[Any, Dict[str, Any]] = {}
     for skey, spans in views.items():
         total = storages[skey].untyped_storage().nbytes()
@@ -254,13 +257,14 @@ def compact_flat_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, A
             continue  # torch.save writes this buffer once: as compact as the unfused tensors
         for places in spans.values():
             copy = None
-            for index, name in places:
+            for index, name, path in places:
                 entry = copied.get(index)
                 if entry is None:
                     entry = copied[index] = dict(state[index])
                 if copy is None:
-                    copy = _compact(entry[name])
-                entry[name] = copy
+                    copy = _compact(leaf_at(entry[name], path))
+                # (a container is copied, not changed: it is the optimizer's own)
+                entry[name] = with_leaves(entry[name], {path: copy}, copy=True) if path else copy
     if copied:
         state_dict["state"] = {index: copied.get(index, entry) for index, entry in state.items()}
     return None
