@@ -42,6 +42,7 @@ from ._torch_compat import (
     inductor_backend,
     math_pow_kept_symbolic,
 )
+from ._foreach import element_calls, in_place, is_python_number
 from ._late_reductions import LateReduction, find_late_reduction, graph_findings
 from ._scalar_prologue import with_scalar_prologue
 from .errors import CompileFallbackWarning
@@ -57,35 +58,20 @@ _ADDC = {
     torch.addcdiv: (torch.add, torch.div),
 }
 _LERP = {_T.lerp_: _T.add_, _T.lerp: torch.add, torch.lerp: torch.add}
-# Elementwise ``_foreach_*`` calls that may carry Python scalars (an ``lr``), by function: the
-# per-tensor method each element runs, and whether the call is in place.
+# Elementwise ``_foreach_*`` calls that may carry Python scalars (an ``lr``): expanded per element
+# where they do (``_foreach.element_calls``).
 _FOREACH_SCALAR_OPS = {
-    getattr(torch, f"_foreach_{base}{suffix}"): (getattr(_T, f"{base}{suffix}"), suffix == "_")
+    getattr(torch, f"_foreach_{base}{suffix}")
     for base in ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "clamp_min", "clamp_max", "addcmul",
                  "addcdiv", "lerp")
     for suffix in ("", "_")
-    if hasattr(torch, f"_foreach_{base}{suffix}") and hasattr(_T, f"{base}{suffix}")
+    if hasattr(torch, f"_foreach_{base}{suffix}")
 }
-
-
-# ``_foreach_maximum(tensors, scalar)`` is a clamp (``torch.maximum`` takes tensors only; no
-# ``Tensor.maximum_``: the in-place calls are expanded only with scalars, as clamps)
-_SCALAR_FORMS = {_T.maximum: _T.clamp_min, _T.minimum: _T.clamp_max}
-_FOREACH_SCALAR_OPS[torch._foreach_maximum_] = (_T.clamp_min_, True)
-_FOREACH_SCALAR_OPS[torch._foreach_minimum_] = (_T.clamp_max_, True)
-
-
-def _is_list(value) -> bool:
-    return isinstance(value, (list, tuple))
-
-
-def _is_python_number(value) -> bool:
-    return isinstance(value, (float, int, torch.SymFloat, torch.SymInt)) and not isinstance(value, bool)
 
 
 def _carries_python_numbers(args, kwargs) -> bool:
     values = list(args) + list(kwargs.values())
-    return any(_is_python_number(v) or (_is_list(v) and v and _is_python_number(v[0])) for v in values)
+    return any(is_python_number(v) or (isinstance(v, (list, tuple)) and v and is_python_number(v[0])) for v in values)
 
 
 # Graph count after which the compiled step is abandoned for the eager fused step: the
@@ -116,24 +102,13 @@ class ScalarsAsOperands(TorchFunctionMode):
         # Lamb under LambdaLR kept its first graph's rate). A foreach op is a loop over its lists:
         # each element runs as its per-tensor op, through the rewrites above.
         if func in _FOREACH_SCALAR_OPS and _carries_python_numbers(args, kwargs):
-            return self._each_element(func, args, kwargs)
+            calls = element_calls(func, args, kwargs)
+            if calls is not None:
+                # a mode is paused while it handles a call: route each element through it explicitly
+                results = [self.__torch_function__(op, (), element, element_kwargs)
+                           for op, element, element_kwargs in calls]
+                return args[0] if in_place(func) else results  # in place: its list, as torch
         return func(*args, **kwargs)
-
-    def _each_element(self, func, args, kwargs):
-        op, in_place = _FOREACH_SCALAR_OPS[func]
-        if not _is_list(args[0]):  # _foreach_pow(scalar, tensors)
-            op = torch.pow
-        length = len(next(a for a in args if _is_list(a)))
-        results = []
-        for i in range(length):
-            element = [a[i] if _is_list(a) else a for a in args]
-            element_kwargs = kwargs
-            element_op = _SCALAR_FORMS.get(op, op) if len(element) == 2 and _is_python_number(element[1]) else op
-            if op in (_T.addcmul, _T.addcmul_, _T.addcdiv, _T.addcdiv_) and len(element) == 4:  # scalar (list) value
-                element_kwargs = dict(kwargs, value=element.pop())
-            # a mode is paused while it handles a call: route each element through it explicitly
-            results.append(self.__torch_function__(element_op, (), tuple(element), element_kwargs))
-        return args[0] if in_place else results  # an in-place foreach call returns its list
 
 
 _COMPILER_WORKS = None

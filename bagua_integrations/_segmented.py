@@ -46,6 +46,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._foreach import element_calls
+
 __all__ = ["Segmentation", "SegmentedMode", "StepNotes", "NotSegmentable", "BranchesDisagree", "segment_views", "MAX_RANK",
            "segment_scalar_shape", "state_kind"]
 
@@ -619,7 +621,7 @@ class SegmentedMode(TorchFunctionMode):
         if self.journal is not None and (func in _IN_PLACE or func is torch.Tensor.__setitem__ or "out" in kwargs):
             self._record_writes(func, args, kwargs)
         if func in _FOREACH:  # a loop over its lists: each element on its own (one run each)
-            return self._foreach(func, _FOREACH[func], args, kwargs)
+            return self._foreach(func, args, kwargs)
         if stacks:
             raise NotSegmentable(f"{_name(func)} mixes values of a list over runs with a run")
         if func in _STACKS and self._is_list_over_runs(args[0] if args else kwargs.get("tensors")):
@@ -641,7 +643,7 @@ class SegmentedMode(TorchFunctionMode):
             raise NotSegmentable(f"the step reads a tensor's value into Python ({_name(func)}), so its control "
                                  "flow may differ per parameter")
         if func in _FOREACH:
-            return self._foreach(func, _FOREACH[func], args, kwargs)
+            return self._foreach(func, args, kwargs)
         if "run" in kinds:
             return self._on_runs(func, seg, args, kwargs)
         return self._on_scalars(func, seg, args, kwargs)
@@ -777,23 +779,15 @@ class SegmentedMode(TorchFunctionMode):
         raise NotSegmentable(f"{_name(func)} turns one value per parameter into shape {tuple(out.shape)}")
 
     # ------------------------------------------------------------------ torch._foreach_*
-    def _foreach(self, func, base, args, kwargs):
+    def _foreach(self, func, args, kwargs):
         """``_foreach_op(list, ...)`` as ``op`` on each element, so each goes through this mode."""
-        op = torch.linalg.vector_norm if base == "norm" else getattr(torch.Tensor, base, None)
-        if op is None:
+        calls = element_calls(func, args, kwargs)
+        if calls is None:
             raise NotSegmentable(f"{_name(func)} has no per-tensor counterpart")
-        if not isinstance(args[0], (list, tuple)):  # _foreach_pow(scalar, tensors)
-            op = getattr(torch, base.rstrip("_"))
-        lists = [a for a in args if isinstance(a, (list, tuple))]
-        length = len(lists[0])
         results = RunValues()
-        for i in range(length):
-            element = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
-            element_kwargs = kwargs
-            if base.rstrip("_") in ("addcmul", "addcdiv") and len(element) == 4:  # a scalar list is value=
-                element_kwargs = dict(kwargs, value=element.pop())
+        for op, element, element_kwargs in calls:
             # the mode is paused while it handles a call: route each element through it explicitly
-            results.append(self.__torch_function__(op, (), tuple(element), element_kwargs))
+            results.append(self.__torch_function__(op, (), element, element_kwargs))
         return args[0] if func in _FOREACH_IN_PLACE else results  # an in-place foreach call returns its list
 
     # ------------------------------------------------------------------ lists over runs

@@ -141,8 +141,8 @@ class ForeachLamb(torch.optim.Optimizer):
     the whole group, trust ratios from ``torch.stack`` of per-tensor norms, written into state,
     and (``global_clip``) the gradients scaled by one global norm over every parameter."""
 
-    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, global_clip=None):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, global_clip=global_clip))
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, global_clip=None, floor=None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, global_clip=global_clip, floor=floor))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -162,6 +162,8 @@ class ForeachLamb(torch.optim.Optimizer):
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
             updates = torch._foreach_sqrt(exp_avg_sqs)
+            if group["floor"] is not None:  # in place, with a number: a clamp per tensor
+                torch._foreach_maximum_(updates, group["floor"])
             torch._foreach_add_(updates, group["eps"])
             torch._foreach_reciprocal_(updates)
             torch._foreach_mul_(updates, exp_avgs)
@@ -227,6 +229,16 @@ def test_foreach_lamb_over_several_runs_is_segmented_and_exact(global_clip):
     # the per-parameter values written into state are each parameter's own (0-D, as unfused)
     for p in fused.parameters():
         assert opt.state[p]["trust_ratio"].shape == ()
+
+
+def test_foreach_maximum_with_a_number_is_a_clamp_on_segmented_runs():
+    """``torch._foreach_maximum_(tensors, number)`` has no ``Tensor.maximum_`` to run per element:
+    the segmented step runs each element as ``clamp_min_`` (it kept the optimizer's own step)."""
+    make = lambda ps: ForeachLamb(ps, floor=3e-3)  # noqa: E731
+    plain, _ = _ranked_run(make, fused=False)
+    fused, opt = _ranked_run(make, fused=True)
+    assert fusion_report(opt).group_paths == ["segmented"], fusion_report(opt)
+    assert_same_params(plain, fused, rtol=1e-5, atol=1e-7)
 
 
 def test_global_norm_over_a_list_of_runs_must_cover_every_run(monkeypatch):
