@@ -188,10 +188,22 @@ def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.
             if touched in tensors:
                 env[touched] = None
                 written.add(touched)
+    # A 0-dim tensor feeds a big kernel directly or through more 0-dim math; where that math cannot be
+    # replayed (it reads a learning rate that Dynamo made a graph input: ``lr_t.item()``), the values
+    # it starts from are hoisted, and the cheap rest stays in the kernel.
+    feeds: Dict[torch.fx.Node, bool] = {}
+    for node in reversed(gm.graph.nodes):
+        feeds[node] = bool(_users_feeding_cpu_tensor_ops(node, large_only=True)) or any(
+            feeds.get(user, False) for user in node.users if _zero_dim_cpu(user))
     chosen, outputs = [], []
     for node in gm.graph.nodes:
-        if (node.op not in ("placeholder", "get_attr") and env.get(node) is not None and expensive[node] and node not in written
-                and _users_feeding_cpu_tensor_ops(node, large_only=node in tensors)):
+        if node.op in ("placeholder", "get_attr") or env.get(node) is None or not expensive[node] or node in written:
+            continue
+        if node in tensors:
+            hoist = feeds[node] and any(env.get(user) is None for user in node.users)
+        else:
+            hoist = bool(_users_feeding_cpu_tensor_ops(node, large_only=False))
+        if hoist:
             chosen.append(node)
             outputs.append(env[node])
     prologue.output(tuple(outputs))
@@ -236,11 +248,11 @@ def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, exam
     for index, node in enumerate(chosen):
         zero_dim = node.meta.get("example_value")
         zero_dim = zero_dim if isinstance(zero_dim, torch.Tensor) else None
-        uses = _users_feeding_cpu_tensor_ops(node, large_only=zero_dim is not None)
-        # a 0-dim tensor keeps its dtype (type promotion with the tensors it meets stays as it was);
-        # a Python scalar becomes a tensor of the compute type
-        dtype = zero_dim.dtype if zero_dim is not None else _compute_dtype(uses[0])
-        device = _big_tensor(uses[0]).device
+        if zero_dim is not None:  # every read of it takes the hoisted value (same dtype: promotion unchanged)
+            uses, dtype, device = list(node.users), zero_dim.dtype, zero_dim.device
+        else:  # a Python scalar becomes a tensor of the compute type, where tensor operations read it
+            uses = _users_feeding_cpu_tensor_ops(node, large_only=False)
+            dtype, device = _compute_dtype(uses[0]), _big_tensor(uses[0]).device
         dtypes.append(None if zero_dim is not None else dtype)
         example = torch.zeros((), dtype=dtype, device=device)
         if fake_mode is not None:

@@ -186,24 +186,33 @@ def test_a_step_tensor_written_between_two_reads_is_read_as_written(kind):
         torch.testing.assert_close(p, p_ref, rtol=1e-6, atol=0)
 
 
-def test_fused_adamw_compiled_on_a_flat_buffer_hoists_its_bias_corrections(monkeypatch):
+@pytest.mark.parametrize("name", ["AdamW", "NAdam", "RAdam"])
+def test_fused_torch_optimizers_compiled_on_a_flat_buffer_hoist_their_bias_corrections(monkeypatch, name):
+    """Under a learning-rate schedule the compiled step's second graph reads the rate from a 0-dim
+    tensor (``lr_t.item()``): the bias corrections it starts from are hoisted there too, without
+    Dynamo specializing the rate (a recompile per step)."""
     from bagua_integrations import _scalar_prologue, fuse_optimizer, fusion_report
 
-    chosen = []
+    chosen = []  # per graph
     original = _scalar_prologue._hoistable
-    monkeypatch.setattr(_scalar_prologue, "_hoistable", lambda gm: (lambda r: (chosen.extend(r[0]), r)[1])(original(gm)))
+    monkeypatch.setattr(_scalar_prologue, "_hoistable", lambda gm: (lambda r: (chosen.append(r[0]), r)[1])(original(gm)))
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(300, 1000)), torch.nn.Parameter(torch.randn(1000))]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opts = [torch.optim.AdamW(ref, lr=1e-2), torch.optim.AdamW(params, lr=1e-2)]
+    cls = getattr(torch.optim, name)
+    opts = [cls(ref, lr=1e-2), cls(params, lr=1e-2)]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) for opt in opts]
     fuse_optimizer(opts[1], compile=True)
-    for step in range(4):
+    for step in range(5):
         for ps in (ref, params):
             for i, p in enumerate(ps):
                 p.grad = torch.full_like(p, 0.01 * (step + 1)) * (i + 1)
         opts[0].step()
         opts[1].fuse_step()
-    assert fusion_report(opts[1]).compiled
-    assert chosen, "no bias correction left the kernel"
+        for schedule in schedules:
+            schedule.step()
+    report = fusion_report(opts[1])
+    assert report.compiled and report.compile_graphs == 2, report
+    assert len(chosen) == 2 and all(chosen), f"a graph kept its bias corrections in the kernel: {chosen}"
     for a, b in zip(ref, params):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
