@@ -36,7 +36,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx
 
-from ._torch_compat import cpu_kernels_truncate_float_min_max, inductor_reads_thresholds_raised
+from ._torch_compat import (cpu_kernels_truncate_float_min_max, inductor_reads_thresholds_raised,
+                            mark_placeholder_without_source)
 
 __all__ = ["with_scalar_prologue"]
 
@@ -261,7 +262,7 @@ def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, exam
         with graph.inserting_after(anchor):
             placeholder = graph.placeholder(f"bagua_hoisted_scalar_{index}")
         placeholder.meta["example_value"] = example
-        placeholder._dynamo_source = None  # not a user value (as the graphs torch's DDP optimizer splits off)
+        mark_placeholder_without_source(placeholder, index)  # not a user value (as the graphs torch's DDP optimizer splits off)
         anchor = placeholder
         for user in uses:
             user.replace_input_with(node, placeholder)

@@ -36,6 +36,7 @@ __all__ = [
     "inductor_backend",
     "inductor_reads_thresholds_raised",
     "cpu_kernels_truncate_float_min_max",
+    "mark_placeholder_without_source",
     "compiled_kernels_may_fuse_multiply_add",
     "dynamo_recompile_limit",
     "step_keeping_lr_scheduler_marker",
@@ -212,6 +213,24 @@ def inductor_reads_thresholds_raised(extra_reads: int) -> dict:
         "realize_reads_threshold": config.realize_reads_threshold + extra_reads,
         "realize_acc_reads_threshold": acc + extra_reads,
     }
+
+
+def mark_placeholder_without_source(node, index: int) -> None:
+    """Mark a graph input our compile backend adds (the ``index``-th hoisted scalar) as holding no
+    user value.
+
+    Private: Dynamo's ``_dynamo_source`` on FX placeholders, read by AOTAutograd, which requires it
+    on every placeholder. Torch >= 2.6 (``_functorch/_aot_autograd/frontend_utils.py``) accepts
+    ``None`` for any number of them (as DDPOptimizer's split graphs have); torch 2.5 refuses a
+    second ``None``, so there each gets a source of its own name (used only to name it)."""
+    try:
+        import torch._functorch._aot_autograd.frontend_utils  # noqa: F401
+    except ImportError:
+        from torch._dynamo.source import LocalSource
+
+        node._dynamo_source = LocalSource(f"bagua_hoisted_scalar_{index}")
+        return
+    node._dynamo_source = None
 
 
 def cpu_kernels_truncate_float_min_max() -> bool:

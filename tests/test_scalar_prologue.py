@@ -192,7 +192,10 @@ def test_fused_torch_optimizers_compiled_on_a_flat_buffer_hoist_their_bias_corre
     tensor (``lr_t.item()``): the bias corrections it starts from are hoisted there too, without
     Dynamo specializing the rate (a recompile per step)."""
     from bagua_integrations import _scalar_prologue, fuse_optimizer, fusion_report
+    from bagua_integrations._compile import compile_unavailable_reason
 
+    if compile_unavailable_reason("elementwise") is not None:  # (torch 2.5: a recompile per new rate)
+        pytest.skip(compile_unavailable_reason("elementwise"))
     chosen = []  # per graph
     original = _scalar_prologue._hoistable
     monkeypatch.setattr(_scalar_prologue, "_hoistable", lambda gm: (lambda r: (chosen.append(r[0]), r)[1])(original(gm)))
