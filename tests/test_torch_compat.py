@@ -206,6 +206,32 @@ def test_inductor_reads_thresholds_raised_patches_compile_fx(private_api):
             assert config.realize_reads_threshold == patches["realize_reads_threshold"]
 
 
+def test_mark_placeholder_without_source_lets_a_backend_add_several_inputs(private_api):
+    """Two hoisted scalars are two inputs our backend adds to a Dynamo graph; AOTAutograd checks
+    every placeholder's source (torch 2.5.1 refused a second ``None`` one)."""
+    from bagua_integrations._compile import compiler_available
+    from bagua_integrations._scalar_prologue import with_scalar_prologue
+
+    if not compiler_available():
+        pytest.skip("needs a working torch.compile (C++ compiler)")
+    name = "mark_placeholder_without_source"
+    added = []
+
+    def inductor(gm, example_inputs, **kwargs):
+        added.extend(n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("bagua_hoisted"))
+        return compat.inductor_backend()(gm, example_inputs, **kwargs)
+
+    def f(t, step):
+        return t * (1 - 0.9 ** step) + t / (1 - 0.999 ** step)  # two scalars of the step: two added inputs
+
+    with private_api(name):
+        compiled = torch.compile(f, backend=lambda gm, ex: with_scalar_prologue(inductor, gm, ex), fullgraph=True)
+        t = torch.rand(64)
+        for step in (1, 2, 3):
+            torch.testing.assert_close(compiled(t, step), f(t, step))
+        assert len(set(added)) == 2, changed(name, f"hoisted inputs {added}")
+
+
 def _counting_backend():
     """A ``torch.compile`` backend that runs each graph as traced, and the list of graphs it got."""
     graphs = []
@@ -390,6 +416,7 @@ def test_compiled_kernels_may_fuse_multiply_add_says_when_cpu_kernels_round_like
 
 # ------------------------------------------------------------------------------ coverage of the module
 TESTED = {
+    "mark_placeholder_without_source",
     "CHECKED_ON", "unwrapped_step", "forget_float_specializations", "queue_end_of_backward", "inductor_backend",
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "tensor_versions", "register_state_dict_post_hook",
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
