@@ -11,17 +11,18 @@ scalars that (a) are computed with ``pow``, ``exp``, ``log``, ... (b) only from 
 inputs (symbolic ints and floats: the step count, hyper-parameters) and constants, and (c) feed
 a tensor operation. Those become new graph inputs, 0-dim tensors of the compute type (float32;
 float64 beside float64 tensors) that a small Python prologue computes from the real inputs on
-every call; Inductor then sees a plain load.
+every call; Inductor then sees a plain load. CPU kernels only (see ``_hoistable``). The values
+are the ones eager computes (a Python float in double precision, rounded to the compute type
+where the kernel uses it), and the rest of the graph is unchanged.
 
 The same holds for 0-dim tensor math: torch.optim keeps each step count as a 0-dim tensor, and
 compiled its AdamW computes ``1 - beta ** step_t`` from it (BERT-base AdamW on a flat buffer: 95
 ms a step with it in the kernel, 66-75 ms hoisted, on a 2-core CPU). The prologue replays that
-math with the same tensor operations, for kernels of at least ``TENSOR_PROLOGUE_MIN_ELEMENTS``
-(a few eager calls cost more than they save on small ones). A graph may write such a tensor
-(``step_t += 1``) before reading it: the prologue follows the graph's order, replays a known
-in-place update out of place, and replays nothing more of a tensor written or viewed otherwise. CPU kernels only (see ``_hoistable``). The values are the ones eager computes (a Python
-float in double precision, rounded to the compute type where the kernel uses it), and the rest
-of the graph is unchanged.
+math with the same tensor operations (so the same values as the graph), for kernels of at least
+``TENSOR_PROLOGUE_MIN_ELEMENTS`` (a few eager calls cost more than they save on small ones). A
+graph may write such a tensor (``step_t += 1``) before reading it: the prologue follows the
+graph's order, replays a known in-place update out of place, and replays nothing more of a
+tensor written or viewed otherwise.
 
 Torch before 2.13 also gets a ``min``/``max`` of floats hoisted, for correctness: its C++
 kernels evaluate them in int64 (``_torch_compat.cpu_kernels_truncate_float_min_max``).
