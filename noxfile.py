@@ -15,6 +15,9 @@ suites that need neither fairseq nor transformers. pip's cache is reused across 
 ``tests/test_torch_versions.py``.
 """
 
+import os
+import shutil
+
 import nox
 
 # Oldest first. Compiled steps need 2.6 (segmented ones 2.11, per-tensor ones 2.10); older releases
@@ -57,9 +60,20 @@ nox.options.sessions = ["core"]
     [nox.param(v, tags=["ci"] if v in (TORCH_VERSIONS[0], TORCH_VERSIONS[-1]) else []) for v in TORCH_VERSIONS],
 )
 def core(session, torch):
-    """The core suites on one torch version."""
-    session.install(f"torch=={torch}")
-    session.install("-e", ".[test]")
-    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
-    session.run("python", "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *CORE_TESTS,
-                *session.posargs, env={"BAGUA_EXPECT_TORCH": torch})
+    """The core suites on one torch version.
+
+    Under CI (``CI`` set) each venv is removed once its suite has run and pip keeps no cache: a CUDA
+    build of torch is ~5 GB in the venv and as much again in pip's cache, and a CI machine's disk is
+    shared (a full disk failed a run with ``No space left on device``).
+    """
+    in_ci = bool(os.environ.get("CI"))
+    pip_args = ["--no-cache-dir"] if in_ci else []
+    try:
+        session.install(*pip_args, f"torch=={torch}")
+        session.install(*pip_args, "-e", ".[test]")
+        session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+        session.run("python", "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *CORE_TESTS,
+                    *session.posargs, env={"BAGUA_EXPECT_TORCH": torch})
+    finally:
+        if in_ci:
+            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
