@@ -279,7 +279,7 @@ class CompiledStep:
         forget_float_specializations()
         floats_before = _python_floats(optimizer)
         try:
-            with _single_tensor_groups(optimizer), torch.no_grad(), dynamo_recompile_limit(self.max_graphs + 1), \
+            with _single_tensor_groups(optimizer), torch.no_grad(), dynamo_recompile_limit(self.max_graphs + 1, self.graphs), \
                     math_pow_kept_symbolic():
                 floats = _float_hyperparameters(optimizer) if floats_need_a_direct_use() else ()
                 self._compiled(optimizer, raw_step, mode, floats)
@@ -334,6 +334,7 @@ class CompiledFunction:
         self.graphs = 0
         self.compiled_calls = 0
         self.disabled_reason = None
+        self._compiler_checked = False
         CompiledFunction._instances += 1
         private = _private_copy(fn, f"{fn.__name__}_{CompiledFunction._instances}")
         self._compiled = torch.compile(private, backend=self._backend, fullgraph=True)
@@ -350,17 +351,19 @@ class CompiledFunction:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if first is None or first.numel() < self.min_elements:
             return False
-        reason = compile_unavailable_reason()
-        if reason is not None:
-            self.disabled_reason = reason  # decided by the release and the machine: no warning
-            return False
+        if not self._compiler_checked:  # decided by the release and the machine: asked once
+            reason = compile_unavailable_reason()
+            if reason is not None:
+                self.disabled_reason = reason  # no warning
+                return False
+            self._compiler_checked = True
         return True
 
     def __call__(self, *args):
         with torch.no_grad():
             if self.wants_compiled(*args):
                 try:
-                    with dynamo_recompile_limit(self.max_graphs + 1):
+                    with dynamo_recompile_limit(self.max_graphs + 1, self.graphs):
                         result = self._compiled(*args)
                     self.compiled_calls += 1
                     return result

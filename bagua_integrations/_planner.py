@@ -566,18 +566,25 @@ class StepPlanner:
                 run.state[key] = value
         return run
 
-    def _sync_run_state(self, run: Run, key: str, entries: List[Dict[str, Any]]) -> None:
-        """Each parameter's state ``key`` as its view of the flat state (copied in where it is not),
-        checked in one C-level pass where every entry already holds its view (a usual step)."""
+    def _sync_run_state(self, run: Run, key: str, entries: List[Dict[str, Any]], path: Tuple = ()) -> None:
+        """Each parameter's state ``key`` (with a ``path``: the leaf there of its container ``key``)
+        as its view of the flat state, copied in where it is not; checked in one pass where every
+        entry already holds its view (a usual step; a C-level pass for plain keys)."""
         buffer = run.buffer
-        if key in buffer.state:
-            if _hold_their_views(entries, key, buffer.state_views(key, run.first, run.last)):
+        if not path:
+            flat_key = key
+            if key in buffer.state and _hold_their_views(entries, key, buffer.state_views(key, run.first, run.last)):
                 return
-        for slot, per_param in zip(run.slots, entries):
-            current = per_param[key]
-            synced = buffer.sync_state(key, slot, current)
-            if synced is not current:
-                self._put(per_param, key, synced)
+            currents = [per_param[key] for per_param in entries]
+        else:
+            flat_key = (key,) + path
+            currents = [leaf_at(per_param[key], path) for per_param in entries]
+            if flat_key in buffer.state and all(map(is_, currents, buffer.state_views(flat_key, run.first, run.last))):
+                return
+        for slot, per_param, current in zip(run.slots, entries, currents):
+            synced = buffer.sync_state(flat_key, slot, current)
+            if synced is not current:  # a container is updated in place (the same dict: noted)
+                self._put(per_param, key, with_leaves(per_param[key], {path: synced}) if path else synced)
 
     def _make_run(self, buffer: FlatBuffer, first: int, last: int, segmented: bool = False) -> Run:
         if segmented:
@@ -595,23 +602,12 @@ class StepPlanner:
             elif (leaves := tensor_leaves(value)) is not None:  # (the signature made it alike across the run)
                 slices = {}
                 for path, _ in leaves:
-                    self._sync_nested_run_state(run, key, path, entries)
+                    self._sync_run_state(run, key, entries, path)
                     slices[path] = buffer.state_slice((key,) + path, run.start, run.end)
                 run.state[key] = with_leaves(value, slices, copy=True)
             else:
                 run.state[key] = value
         return run
-
-    def _sync_nested_run_state(self, run: Run, key: str, path: Tuple, entries: List[Dict[str, Any]]) -> None:
-        """:meth:`_sync_run_state` of the leaf at ``path`` of each parameter's container ``key``."""
-        buffer, flat_key = run.buffer, (key,) + path
-        currents = [leaf_at(entry[key], path) for entry in entries]
-        if flat_key in buffer.state and all(map(is_, currents, buffer.state_views(flat_key, run.first, run.last))):
-            return
-        for slot, per_param, current in zip(run.slots, entries, currents):
-            synced = buffer.sync_state(flat_key, slot, current)
-            if synced is not current:
-                self._put(per_param, key, with_leaves(per_param[key], {path: synced}))  # (the same dict: noted)
 
     # ------------------------------------------------------------------ after the step
     def write_back(self, plan: StepPlan, swapped_state) -> None:

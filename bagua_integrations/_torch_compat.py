@@ -13,11 +13,12 @@ local ``+cpu``/``+cu130`` part) and name the releases they cover.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
 from contextlib import contextmanager
-from typing import Callable, Iterable, List, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -245,18 +246,24 @@ def cpu_kernels_truncate_float_min_max() -> bool:
     return _RELEASE < "2.13"
 
 
-def dynamo_recompile_limit(limit: int):
+def dynamo_recompile_limit(limit: int, graphs: Optional[int] = None):
     """A context in which Dynamo keeps up to ``limit`` graphs per code object (its default: 8).
 
     Private: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before torch 2.6),
     read when a frame is about to be compiled again. The per-tensor compiled step
     (``_per_tensor.py``) builds one graph per distinct parameter shape on its private code
     object, bounded by its own budget; Dynamo's default would stop it at 8. Checked on torch 2.13.
+
+    ``graphs``: how many graphs the code object has now. While Dynamo's own limit still allows
+    one more, nothing is patched (a config patch costs ~20 us, paid on every call otherwise).
     """
     import torch._dynamo.config as dynamo_config
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    return dynamo_config.patch({name: max(limit, getattr(dynamo_config, name))})
+    current = getattr(dynamo_config, name)
+    if graphs is not None and graphs < current:
+        return contextlib.nullcontext()
+    return dynamo_config.patch({name: max(limit, current)})
 
 
 def step_keeping_lr_scheduler_marker(optimizer: torch.optim.Optimizer, new_step: Callable) -> Callable:

@@ -270,6 +270,28 @@ def test_dynamo_recompile_limit_lets_one_function_keep_more_graphs(private_api):
         assert len(graphs) == 11, changed(name, f"{len(graphs)} graphs for 11 shapes (Dynamo's default stops at 8)")
 
 
+def test_dynamo_recompile_limit_patches_only_where_the_graphs_need_it(private_api):
+    """Told how many graphs there are, it leaves Dynamo's config alone while one more is allowed
+    (a patch costs ~20 us a call), and still lets the function keep ``limit`` graphs."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "dynamo_recompile_limit"
+    with private_api(name):
+        setting = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+        default = getattr(dynamo_config, setting)
+        with compat.dynamo_recompile_limit(default + 4, graphs=default - 1):
+            assert getattr(dynamo_config, setting) == default  # one more graph is allowed already
+        with compat.dynamo_recompile_limit(default + 4, graphs=default):
+            assert getattr(dynamo_config, setting) == default + 4
+        assert getattr(dynamo_config, setting) == default
+        graphs, backend = _counting_backend()
+        f = torch.compile(lambda t: t * 2, backend=backend, dynamic=False)
+        for n in range(1, default + 4):  # a new static shape each call: one graph each
+            with compat.dynamo_recompile_limit(default + 4, graphs=len(graphs)):
+                f(torch.ones(n))
+        assert len(graphs) == default + 3, changed(name, f"{len(graphs)} graphs for {default + 3} shapes")
+
+
 def test_math_pow_kept_symbolic_keeps_an_int_step_count_from_recompiling(private_api):
     """Without it, Dynamo guards ``math.pow(beta, group["step"])`` on the step's value: one graph per step."""
     import math
