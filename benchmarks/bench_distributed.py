@@ -248,10 +248,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def codec_rows(elements: int, rounds: int, ranks: int = 2, device: str = "cpu") -> dict:
+EVICT_BYTES = 256 * MB  # written before each timed codec call on a CPU: more than this VM's caches hold
+
+
+def codec_rows(elements: int, rounds: int, ranks: int = 2, device: str = "cpu", warm: bool = False) -> dict:
     """Median seconds per call of each codec operation on one bucket of ``elements`` fp32
     values, eager and compiled, and of a plain copy of the same bytes, interleaved in rounds.
-    On CUDA each call is timed with CUDA events (the compiled forms are Triton kernels)."""
+    On CUDA each call is timed with CUDA events (the compiled forms are Triton kernels).
+
+    On a CPU every call starts with its data out of the caches (``EVICT_BYTES`` written before it),
+    as a bucket that backward wrote a while ago is: otherwise a row's time depends on which rows ran
+    just before it (the eager rows evict the bucket, the copy after a copy finds it in cache), and
+    the same encode measured 0.36x-0.51x of a copy from run to run. ``warm=True`` skips that."""
     from bagua_integrations.distributed.algorithms.bytegrad import BLOCK, MinMaxUInt8
 
     torch.set_num_threads(1)
@@ -272,15 +280,18 @@ def codec_rows(elements: int, rounds: int, ranks: int = 2, device: str = "cpu") 
     for fn in rows.values():  # warm-up: compile, first-touch pages
         fn()
         fn()
+    evict = torch.empty(EVICT_BYTES // 4) if device != "cuda" and not warm else None
     times = {name: [] for name in rows}
     for _ in range(rounds):
         for name, fn in rows.items():
+            if evict is not None:
+                evict.fill_(1.0)
             times[name].append(_timed_call(fn, device))
     medians = {name: statistics.median(values) for name, values in times.items()}
     # each row processes the bucket's fp32 values once (average: one chunk from each rank = one bucket)
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
     return {"elements": elements, "ranks": ranks, "seconds": medians, "device": device, "hardware": where,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "caches": "warm" if evict is None else "evicted before each call"}
 
 
 def _timed_call(fn, device: str) -> float:
@@ -302,7 +313,7 @@ def codec_report(codec: dict) -> str:
     gigabytes = codec["elements"] * 4 / 1e9
     copy = codec["seconds"]["plain copy (fp32 -> fp32)"]
     where = codec.get("hardware", "CPU")
-    threads = "" if codec.get("device") == "cuda" else "1 thread; "
+    threads = "" if codec.get("device") == "cuda" else f"1 thread; caches {codec.get('caches', 'warm')}; "
     lines = [f"## uint8 codec, one bucket of {codec['elements'] * 4 / MB:.0f} MB fp32 on {where}, torch {codec.get('torch', '?')} "
              f"({codec['ranks']} ranks' chunks; {threads}GB/s of fp32 values processed; vs a plain copy of the same bytes in the same rounds)", "",
              "| operation | ms | GB/s | vs plain copy |", "|---|---:|---:|---:|"]
@@ -380,12 +391,14 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the raw numbers here")
     parser.add_argument("--codec-elements", type=int, default=6_000_000, help="fp32 elements in the codec table's bucket")
     parser.add_argument("--codec-only", action="store_true", help="only the codec table (one process)")
+    parser.add_argument("--codec-warm", action="store_true",
+                        help="CPU codec table: do not evict the caches before each call (see codec_rows)")
     parser.add_argument("--codec-device", choices=["cpu", "cuda"], default="cpu",
                         help="where the codec table runs (cuda: CUDA-event timing, Triton kernels when compiled)")
     args = parser.parse_args(argv)
     if args.codec_device == "cuda" and not torch.cuda.is_available():
         parser.error("--codec-device cuda: no CUDA device is available")
-    codec = codec_rows(args.codec_elements, max(args.rounds, 5), device=args.codec_device)
+    codec = codec_rows(args.codec_elements, max(args.rounds, 5), device=args.codec_device, warm=args.codec_warm)
     torch.set_num_threads(os.cpu_count() or 1)
     if args.codec_only:
         print(codec_report(codec))
