@@ -8,7 +8,8 @@
 
 Each session installs ``torch==<version>`` first (PyPI's default wheel for that version; a CUDA build
 on Linux, which runs on the CPU too), then the project with its ``[test]`` extra, then runs the
-suites that need neither fairseq nor transformers. pip's cache is reused across sessions and runs.
+suites that need neither fairseq nor transformers. pip's cache is reused across sessions and runs,
+except under CI (see ``core``).
 
 ``TORCH_VERSIONS`` is the one list of tested versions: ``setup.cfg``'s ``torch>=``, the README's
 "Tested with torch" line and ``bagua_integrations/_torch_compat.py`` are checked against it by

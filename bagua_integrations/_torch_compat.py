@@ -13,11 +13,10 @@ local ``+cpu``/``+cu130`` part) and name the releases they cover.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
@@ -262,7 +261,7 @@ def dynamo_recompile_limit(limit: int, graphs: Optional[int] = None):
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     current = getattr(dynamo_config, name)
     if graphs is not None and graphs < current:
-        return contextlib.nullcontext()
+        return nullcontext()
     return dynamo_config.patch({name: max(limit, current)})
 
 

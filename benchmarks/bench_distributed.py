@@ -313,9 +313,9 @@ def codec_report(codec: dict) -> str:
     gigabytes = codec["elements"] * 4 / 1e9
     copy = codec["seconds"]["plain copy (fp32 -> fp32)"]
     where = codec.get("hardware", "CPU")
-    threads = "" if codec.get("device") == "cuda" else f"1 thread; caches {codec.get('caches', 'warm')}; "
+    conditions = "" if codec.get("device") == "cuda" else f"1 thread; caches {codec.get('caches', 'warm')}; "
     lines = [f"## uint8 codec, one bucket of {codec['elements'] * 4 / MB:.0f} MB fp32 on {where}, torch {codec.get('torch', '?')} "
-             f"({codec['ranks']} ranks' chunks; {threads}GB/s of fp32 values processed; vs a plain copy of the same bytes in the same rounds)", "",
+             f"({codec['ranks']} ranks' chunks; {conditions}GB/s of fp32 values processed; vs a plain copy of the same bytes in the same rounds)", "",
              "| operation | ms | GB/s | vs plain copy |", "|---|---:|---:|---:|"]
     for name, seconds in codec["seconds"].items():
         lines.append(f"| {name} | {seconds * 1e3:.2f} | {gigabytes / seconds:.2f} | {copy / seconds:.2f}x |")
