@@ -111,29 +111,34 @@ class ScalarsAsOperands(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_COMPILER_WORKS = None
+_COMPILER_WORKS: Dict[str, bool] = {}  # per device type: probed once per process
 
 
-def compiler_available() -> bool:
-    """Whether ``torch.compile`` with Inductor works here (a C++ compiler on CPU, Triton on CUDA)."""
-    global _COMPILER_WORKS
-    if _COMPILER_WORKS is None:
+def compiler_available(device_type: str = "cpu") -> bool:
+    """Whether ``torch.compile`` with Inductor works here for tensors on ``device_type``: a C++
+    compiler for CPU tensors, Triton for CUDA ones. Probed on that device, once: a CPU probe on a
+    GPU machine would make Inductor check the host's vector instructions by compiling test programs
+    (40 s of a 45 s startup of a fused BertAdam on an H200), which CUDA kernels never need."""
+    works = _COMPILER_WORKS.get(device_type)
+    if works is None:
         try:
             probe = torch.compile(lambda x: x * 2 + 1, fullgraph=True)
-            _COMPILER_WORKS = bool(probe(torch.ones(8))[0] == 3)
+            works = bool(probe(torch.ones(8, device=device_type))[0] == 3)
         except Exception:  # any failure means "not here"
-            _COMPILER_WORKS = False
-    return _COMPILER_WORKS
+            works = False
+        _COMPILER_WORKS[device_type] = works
+    return works
 
 
-def compile_unavailable_reason(path: str = "elementwise") -> Optional[str]:
-    """Why no compiled step of ``path`` ("elementwise", "segmented", "per-tensor") can run here,
-    decided before any step (the torch release, then a working compiler), or None."""
+def compile_unavailable_reason(path: str = "elementwise", device_type: str = "cpu") -> Optional[str]:
+    """Why no compiled step of ``path`` ("elementwise", "segmented", "per-tensor") can run here on
+    ``device_type`` tensors, decided before any step (the torch release, then a working compiler), or None."""
     unsupported = compiled_steps_unsupported(path)
     if unsupported is not None:
         return unsupported
-    if not compiler_available():
-        return "torch.compile is not usable here (no working C++ compiler / Triton)"
+    if not compiler_available(device_type):
+        compiler = "Triton" if device_type == "cuda" else "a C++ compiler"
+        return f"torch.compile is not usable here for {device_type} tensors (it needs a working {compiler})"
     return None
 
 
@@ -334,7 +339,7 @@ class CompiledFunction:
         self.graphs = 0
         self.compiled_calls = 0
         self.disabled_reason = None
-        self._compiler_checked = False
+        self._compilers_checked: set = set()  # device types whose compiler works
         CompiledFunction._instances += 1
         private = _private_copy(fn, f"{fn.__name__}_{CompiledFunction._instances}")
         self._compiled = torch.compile(private, backend=self._backend, fullgraph=True)
@@ -351,12 +356,13 @@ class CompiledFunction:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if first is None or first.numel() < self.min_elements:
             return False
-        if not self._compiler_checked:  # decided by the release and the machine: asked once
-            reason = compile_unavailable_reason()
+        device_type = first.device.type
+        if device_type not in self._compilers_checked:  # decided by the release and the machine: asked once
+            reason = compile_unavailable_reason(device_type=device_type)
             if reason is not None:
                 self.disabled_reason = reason  # no warning
                 return False
-            self._compiler_checked = True
+            self._compilers_checked.add(device_type)
         return True
 
     def __call__(self, *args):

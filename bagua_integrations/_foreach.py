@@ -8,7 +8,7 @@ parameter) expand it here into the per-tensor calls it stands for, and handle ea
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -19,22 +19,33 @@ __all__ = ["element_calls", "in_place", "is_python_number"]
 _SCALAR_FORMS = {"maximum": "clamp_min", "minimum": "clamp_max"}
 
 
-class _Forms:
+class _Forms(NamedTuple):
     """One foreach function's per-tensor forms, found once: the modes run while Dynamo traces a
-    step, and Dynamo cannot trace string handling."""
+    step, and Dynamo cannot trace string handling. A named tuple, not an object with attributes:
+    Dynamo reads a tuple's items as the functions they are, where torch 2.11 kept an object's
+    attribute as an unknown value and then could not look it up (``func in _ADD_LIKE``: "comparison
+    with constant failed"), which switched the compiled step off for every step with such a call."""
 
-    __slots__ = ("in_place", "value_list", "with_tensors", "with_number", "number_first")
-
-    def __init__(self, base: str):
-        name = base.rstrip("_")
-        self.in_place = base.endswith("_")
-        self.value_list = name in ("addcmul", "addcdiv")  # a list of scalars is each element's value=
-        self.with_tensors = torch.linalg.vector_norm if name == "norm" else getattr(torch.Tensor, base, None)
-        self.with_number = getattr(torch.Tensor, _SCALAR_FORMS.get(name, name) + "_" * self.in_place, None)
-        self.number_first = getattr(torch, name, None)  # _foreach_pow(scalar, tensors)
+    in_place: bool
+    value_list: bool  # a list of scalars is each element's value= (addcmul, addcdiv)
+    with_tensors: Any
+    with_number: Any
+    number_first: Any  # _foreach_pow(scalar, tensors)
 
 
-_FORMS = {getattr(torch, n): _Forms(n[len("_foreach_"):]) for n in dir(torch) if n.startswith("_foreach_")}
+def _forms(base: str) -> _Forms:
+    name = base.rstrip("_")
+    in_place = base.endswith("_")
+    return _Forms(
+        in_place=in_place,
+        value_list=name in ("addcmul", "addcdiv"),
+        with_tensors=torch.linalg.vector_norm if name == "norm" else getattr(torch.Tensor, base, None),
+        with_number=getattr(torch.Tensor, _SCALAR_FORMS.get(name, name) + "_" * in_place, None),
+        number_first=getattr(torch, name, None),
+    )
+
+
+_FORMS = {getattr(torch, n): _forms(n[len("_foreach_"):]) for n in dir(torch) if n.startswith("_foreach_")}
 
 
 def is_python_number(value: Any) -> bool:

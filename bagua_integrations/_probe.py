@@ -273,7 +273,7 @@ def _seed_pieces(optimizer, group, like: List[torch.Tensor], generator, template
     largest = max(with_state, key=lambda p: p.numel())  # its shape tells parameter-shaped state apart
     if template is not None and optimizer.state.get(template):
         largest = template
-    template, real_shape = optimizer.state[largest], largest.shape
+    template, real_shape, real_dtype = optimizer.state[largest], largest.shape, largest.dtype
     per_param: List[Dict[str, Any]] = [{} for _ in like]
     shaped = []
 
@@ -287,7 +287,9 @@ def _seed_pieces(optimizer, group, like: List[torch.Tensor], generator, template
                 piece = torch.rand(p.shape, generator=generator, dtype=torch.float64) * float(data.abs().max())
                 if bool((data < 0).any()):
                     piece = piece * torch.randn(p.shape, generator=generator, dtype=torch.float64).sign()
-            out.append(piece.to(device=p.device, dtype=value.dtype))
+            # state in the parameter's dtype follows the probe's (fp32) tensors: torch's foreach
+            # steps refuse a bf16 ``sum`` (Adagrad creates it in __init__) beside fp32 parameters
+            out.append(piece.to(device=p.device, dtype=p.dtype if value.dtype == real_dtype else value.dtype))
         return out
 
     for key, value in template.items():

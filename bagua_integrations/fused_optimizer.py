@@ -243,11 +243,16 @@ class Fusion:
             return None
         if self.config.compile == "auto" and self.layout.fused_elements() < AUTO_MIN_ELEMENTS:
             return None
-        unavailable = compile_unavailable_reason()  # an old torch or no compiler: one warning, now
+        unavailable = self._compile_unavailable()  # an old torch or no compiler: one warning, now
         if unavailable is not None:
             self._warn_compile_off(unavailable, stacklevel=6)  # <- _compiled_step <- Fusion <- fuse_optimizer <- user
             return None
         return CompiledStep()
+
+    def _compile_unavailable(self, path: str = "elementwise") -> Optional[str]:
+        """Why ``path``'s compiled step cannot run here, for the devices the parameters are on (None: it can)."""
+        device_types = sorted({p.device.type for group in self.optimizer.param_groups for p in group["params"]})
+        return next(filter(None, (compile_unavailable_reason(path, t) for t in device_types or ["cpu"])), None)
 
     def _warn_compile_off(self, reason: str, stacklevel: int) -> None:
         """The one up-front warning, where compile=True asked for what cannot run here (an old torch,
@@ -258,7 +263,7 @@ class Fusion:
 
     def _segmented_compile_refused(self) -> bool:
         """Whether segmented calls stay eager on this torch (warned once, up front where possible)."""
-        unavailable = compile_unavailable_reason(SEGMENTED)
+        unavailable = self._compile_unavailable(SEGMENTED)
         if unavailable is not None:
             self._warn_compile_off(unavailable, stacklevel=6)  # <- _segmented_compile_refused <- Fusion <- fuse_optimizer <- user
         return unavailable is not None
@@ -272,7 +277,7 @@ class Fusion:
         elements = sum(p.numel() for g in layout.groups.values() for p in g.per_tensor)
         if self.config.compile == "auto" and elements < AUTO_MIN_ELEMENTS:
             return None
-        unavailable = compile_unavailable_reason(PER_TENSOR)
+        unavailable = self._compile_unavailable(PER_TENSOR)
         if unavailable is not None:
             self.per_tensor_reason = unavailable
             self._warn_compile_off(unavailable, stacklevel=6)  # <- _per_tensor_steps <- Fusion <- fuse_optimizer <- user

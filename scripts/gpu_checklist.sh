@@ -12,6 +12,8 @@
 # Smaller pieces, when a part needs its whole time budget:
 #   tests-cuda | tests-suite | bench-fp32 | bench-bf16 | codec | fsdp2
 #   host: segmented CUDA tests, then the step's host overhead (--model tiny) and BERT-base (~5 min)
+#   profile: tests/test_cuda.py, then where the host time of a step goes (benchmarks/profile_step_host.py,
+#            201 tiny tensors), then the step benchmark's host rows on BERT-base; ~7.5 min
 #   recipe: Bagua's BERT-base table (python -m recipes.bert_benchmark --preset bert-base), fp32 then bf16,
 #           on RECIPE_EPOCHS of an epoch (default 0.05: ~105 updates a row, epoch time extrapolated)
 #
@@ -151,6 +153,11 @@ case "${1:-}" in
             run_logged 120 "$OUT/bench_$model.log" $PY benchmarks/bench_optimizer_step.py --device cuda --model $model \
                 --repeats $([ $model = tiny ] && echo 100 || echo 30) --rows "$HOST_ROWS" --json "$OUT/step_$model.json" --require-compiled
         done ;;
+    profile) environment; tests_cuda
+        run_logged 150 "$OUT/profile_tiny.log" $PY benchmarks/profile_step_host.py --device cuda --model tiny \
+            --steps 100 --top 25 --out "$OUT/profile_tiny"
+        tar czf "$OUT/profiles.tgz" -C "$OUT" profile_tiny && rm -rf "$OUT/profile_tiny"
+        bench fp32 "$(left)" "$HOST_ROWS,fused=True" ;;
     recipe) environment
         for precision in ${RECIPE_PRECISIONS:-fp32 bf16}; do
             run_logged "$([ $precision = fp32 ] && echo 200 || left)" "$OUT/recipe_$precision.log" $PY -m recipes.bert_benchmark \
@@ -158,7 +165,7 @@ case "${1:-}" in
                 --out-dir "$OUT/recipe_$precision"
         done ;;
     lent) environment; bench fp32 270 "$LENT_ROWS"; codec 70; fsdp2 120; bench bf16 "$(left)" "$LENT_BF16_ROWS" ;;
-    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2}" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|profile|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2}" >&2; exit 2 ;;
 esac
 echo "# part '${1}' done in $((SECONDS - START)) s, status $STATUS; logs in $OUT"
 exit $STATUS

@@ -11,6 +11,7 @@ import torch
 from _fused_utils import ForeachScalarsAdam, TinyNet, assert_same_params, assert_same_state, batches, two_groups
 from bagua_integrations import CompileFallbackWarning, fuse_optimizer, fusion_report
 from bagua_integrations import _compile
+from bagua_integrations import fused_optimizer as fused_optimizer_module
 from bagua_integrations.optim import BertAdam
 
 O = torch.optim
@@ -139,13 +140,30 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
 
 
 def test_compiler_unavailable_warns_and_stays_eager(monkeypatch):
-    monkeypatch.setattr(_compile, "_COMPILER_WORKS", False)
+    monkeypatch.setattr(_compile, "_COMPILER_WORKS", {"cpu": False})
     with pytest.warns(CompileFallbackWarning, match="not usable"):
         opt = fuse_optimizer(O.SGD(TinyNet().parameters(), lr=0.1), compile=True)
     assert fusion_report(opt).compile_graphs == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fuse_optimizer(O.SGD(TinyNet().parameters(), lr=0.1), compile="auto")  # auto stays quiet
+
+
+def test_the_compiler_is_probed_on_the_parameters_device_once(monkeypatch):
+    """A GPU machine's fused step needs Triton, not the host's C++ compiler: probing Inductor with a
+    CPU tensor there made it check the host's vector instructions by compiling test programs (40 s of
+    a 45 s startup on an H200). Each device type is probed once, on its own tensors."""
+    asked = []
+    real = _compile.compile_unavailable_reason
+    monkeypatch.setattr(fused_optimizer_module, "compile_unavailable_reason",
+                        lambda path="elementwise", device_type="cpu": asked.append(device_type) or real(path, device_type))
+    fuse_optimizer(O.SGD(TinyNet().parameters(), lr=0.1), compile=True)
+    assert asked and set(asked) == {"cpu"}
+    monkeypatch.setattr(_compile, "_COMPILER_WORKS", {"cpu": True})
+    reason = _compile.compile_unavailable_reason(device_type="meta")  # no kernel runs on meta tensors
+    assert reason is not None and "meta tensors" in reason
+    assert _compile._COMPILER_WORKS == {"cpu": True, "meta": False}
+    assert _compile.compile_unavailable_reason(device_type="cpu") is None
 
 
 def test_auto_compiles_only_big_buffers_and_never_torch_fused_kernels():

@@ -744,3 +744,25 @@ def test_the_report_separates_the_layout_from_what_the_last_step_did():
     opt.fuse_step()
     report = fusion_report(opt)
     assert report.last_step == "fused" and "last step: fused: 6 tensors" in str(report)
+
+
+def test_state_made_in_init_seeds_the_probe_in_the_probe_tensors_dtype():
+    """torch's Adagrad before 2.12 creates ``sum`` in ``__init__``, in the parameter's dtype; the
+    probe copies such state onto its own fp32 tensors. A bf16 ``sum`` beside fp32 probe parameters
+    made CUDA's foreach Adagrad refuse the probe ("Tensors of the same index must be on the same
+    device and the same dtype"), and the group stayed unfused on a GPU (H200, torch 2.11). State in
+    another dtype than the parameter's keeps its own."""
+    from bagua_integrations._probe import _seed_pieces
+
+    params = [torch.nn.Parameter(torch.randn(4, 3).bfloat16()), torch.nn.Parameter(torch.randn(3).bfloat16())]
+    opt = O.SGD(params, lr=0.1)
+    for p in params:
+        opt.state[p] = {"sum": torch.full_like(p, 0.1), "mask": torch.ones(p.shape, dtype=torch.int32),
+                        "step": torch.tensor(0.0)}
+    like = [torch.zeros(5), torch.zeros(2, 2)]
+    per_param, shaped = _seed_pieces(opt, opt.param_groups[0], like, torch.Generator().manual_seed(0))
+    assert set(shaped) == {"sum", "mask"}
+    for state, probe_param in zip(per_param, like):
+        assert state["sum"].dtype == torch.float32 and state["sum"].shape == probe_param.shape
+        assert torch.all(state["sum"] == torch.tensor(0.1).bfloat16().float())  # a constant stays that constant
+        assert state["mask"].dtype == torch.int32 and state["step"].dtype == torch.float32

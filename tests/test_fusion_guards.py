@@ -225,6 +225,34 @@ def test_verification_passes_exact_fusions_and_leaves_them_exact(compile):
         assert_same_params(plain, fused, rtol=1e-4 if compile else 1e-6, atol=1e-6 if compile else 1e-7)
 
 
+def test_verification_takes_a_compiled_steps_rounding_for_rounding_where_updates_vanish():
+    """Under a constant gradient Adam's first moment moves by 0.9 ** step of itself: by step 65 its
+    update is ~1e-3 of the value, and the compiled step's fused multiply-adds differ from the eager
+    step by an ulp or two, 0.001x of that update. Verification took that for a wrong step (and told
+    the user to train unfused) until a few units in the last place of the values counted as rounding."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02) for shape in [(8,), (4, 8), (3,), (8,)]]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    opt = fuse_optimizer(BertAdam(params, lr=1e-4, weight_decay=0.01), compile=True, verify=1)
+    for _ in range(80):
+        opt.fuse_step()
+    assert fusion_report(opt).compiled
+
+
+def test_the_rounding_allowance_is_a_few_ulps_of_the_values_not_of_a_wrong_update():
+    from bagua_integrations._verify import ROUNDING_ULPS, _relative_difference
+
+    before = torch.full((6,), 1e-3)
+    expected = before + 1e-9  # an update at the values' rounding: ~9 ulps of 1e-3
+    ulp = torch.finfo(torch.float32).eps * 1e-3
+    assert _relative_difference(expected + 2 * ulp, expected, before, allowed=1e-3) <= 1e-3
+    assert _relative_difference(expected + 4 * ROUNDING_ULPS * ulp, expected, before, allowed=1e-3) > 1e-3
+    # an update of normal size: a 1% error of it is far beyond the tolerance, ulps or not
+    expected = before * 0.9
+    assert _relative_difference(expected + 1e-6, expected, before, allowed=1e-3) > 1e-3
+
+
 def test_a_reference_step_that_fails_leaves_nothing_applied_and_is_named(monkeypatch):
     """Verification's unfused step raises half-way (after updating the parameters in place): the
     step raises FusionError, and parameters, gradients and state are as they were before it."""
