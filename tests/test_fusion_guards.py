@@ -230,6 +230,11 @@ def test_verification_takes_a_compiled_steps_rounding_for_rounding_where_updates
     update is ~1e-3 of the value, and the compiled step's fused multiply-adds differ from the eager
     step by an ulp or two, 0.001x of that update. Verification took that for a wrong step (and told
     the user to train unfused) until a few units in the last place of the values counted as rounding."""
+    from bagua_integrations._torch_compat import compiled_steps_unsupported
+
+    unsupported = compiled_steps_unsupported("segmented")
+    if unsupported is not None:
+        pytest.skip(unsupported)  # the eager fused step is exact: nothing to round differently
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02) for shape in [(8,), (4, 8), (3,), (8,)]]
     for p in params:
