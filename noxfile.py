@@ -23,7 +23,6 @@ import nox
 
 # Oldest first. Compiled steps need 2.6 (segmented ones 2.11, per-tensor ones 2.10); older releases
 # run the exact eager step with one warning where compiling was asked (_torch_compat.compiled_steps_unsupported).
-# 2.11.0 is the torch of the lent GPU machines.
 TORCH_VERSIONS = ["2.5.1", "2.6.0", "2.10.0", "2.11.0", "2.13.0", "2.14.1"]
 PINNED = "2.13.0"  # scripts/install.sh: the version the full suite runs on
 GPU_MACHINES = "2.11.0"  # the torch of the lent GPU machines
