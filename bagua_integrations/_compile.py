@@ -40,6 +40,7 @@ from ._torch_compat import (
     floats_used_directly,
     forget_float_specializations,
     inductor_backend,
+    ints_symbolic_from_the_first_graph,
     math_pow_kept_symbolic,
 )
 from ._foreach import element_calls, in_place, is_python_number
@@ -142,6 +143,30 @@ def compile_unavailable_reason(path: str = "elementwise", device_type: str = "cp
     return None
 
 
+_ABSENT = object()
+
+
+@contextmanager
+def _groups_keep_capturable(optimizer):
+    """Each param group's ``capturable`` as it was before the compiled step ran.
+
+    Dynamo traces an optimizer's ``param_groups`` with ``capturable=True`` (its own choice for
+    compiled CUDA steps), and writes that into the real groups when the step writes to a group
+    (pytorch-optimizer's ``group["step"] += 1``): the group gained a key the eager step never
+    adds, which the next call's guard on the group's length saw, so every such optimizer compiled
+    its step twice (pytorch-optimizer's Lamb on BERT-base: seconds of its first three steps), and
+    the key reached its ``state_dict``."""
+    kept = [(group, group.get("capturable", _ABSENT)) for group in optimizer.param_groups]
+    try:
+        yield
+    finally:
+        for group, value in kept:
+            if value is _ABSENT:
+                group.pop("capturable", None)
+            elif group.get("capturable", _ABSENT) is not value:
+                group["capturable"] = value
+
+
 @contextmanager
 def _single_tensor_groups(optimizer):
     """torch.optim groups take their single-tensor code path while the compiled step runs.
@@ -192,6 +217,20 @@ def _python_floats(optimizer) -> Dict[tuple, float]:
                 for key, value in entry.items():
                     if type(value) is float:
                         found[("state", id(param), key)] = value
+    return found
+
+
+def _python_ints(optimizer) -> set:
+    """Where the param groups and their parameters' state entries hold Python ints (not bools):
+    ``("group", index, key)``, and ``("state", None, key)`` for a key of any entry."""
+    found = set()
+    state = optimizer.state
+    for i, group in enumerate(optimizer.param_groups):
+        found.update(("group", i, key) for key, value in group.items() if type(value) is int)
+        for param in group["params"]:
+            entry = state.get(param)
+            if isinstance(entry, dict):
+                found.update(("state", None, key) for key, value in entry.items() if type(value) is int)
     return found
 
 
@@ -280,12 +319,18 @@ class CompiledStep:
 
     def _run_compiled(self, optimizer, raw_step, mode) -> bool:
         graphs_before = self.graphs
+        # Python ints (step counts) are symbols in the first graph: Dynamo would make a graph with
+        # each as a constant, then another once it changed (a third of BertAdam's first three steps
+        # on BERT-base; more on a GPU). Ints that never change cost nothing as symbols: they are
+        # guarded as Dynamo would guard the constants.
+        counters = list(_python_ints(optimizer)) if graphs_before == 0 else ()
         started = time.perf_counter()
         forget_float_specializations()
         floats_before = _python_floats(optimizer)
         try:
-            with _single_tensor_groups(optimizer), torch.no_grad(), dynamo_recompile_limit(self.max_graphs + 1, self.graphs), \
-                    math_pow_kept_symbolic():
+            with _groups_keep_capturable(optimizer), _single_tensor_groups(optimizer), torch.no_grad(), \
+                    dynamo_recompile_limit(self.max_graphs + 1, self.graphs), \
+                    math_pow_kept_symbolic(), ints_symbolic_from_the_first_graph(counters):
                 floats = _float_hyperparameters(optimizer) if floats_need_a_direct_use() else ()
                 self._compiled(optimizer, raw_step, mode, floats)
         except Exception as exc:  # fullgraph: a failure happens before any tensor is updated

@@ -168,6 +168,10 @@ def _hold_their_views(entries: List[Dict[str, Any]], key: str, views: List[torch
     return all(map(is_, map(dict.get, entries, repeat(key)), views))
 
 
+def _segment_state_key(run, key: str) -> Tuple[Any, ...]:
+    return id(run.buffer), run.start, run.end, run.segmentation.scalar_shape, key
+
+
 def _all_like(values: List[Any], meta: Tuple[torch.Size, torch.dtype, torch.device]) -> bool:
     """Every one of ``values`` is a plain tensor (no subclass: a DTensor's copy dispatches on its
     own) of this shape, dtype and device, checked in C-level passes."""
@@ -261,6 +265,9 @@ class StepPlanner:
         self.tokens_stale = True
         self._shaped: Dict[Tuple[int, int, int, str], torch.Tensor] = {}  # rank-shaped views, reused
         self._segmentations: Dict[Any, Segmentation] = {}  # one per run layout: compiled graphs key on it
+        # (buffer id, run start, run end, segment scalar shape, key) -> a run's one-value state as one
+        # tensor of its segments' values, and each parameter's view of it (see _segment_state)
+        self._segment_states: Dict[Tuple[Any, ...], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
         self._first_stepped: set = set()  # ids of FIRST_STEP slots that took their first step per tensor
         self._branch_classes: Dict[Tuple[int, bool], int] = {}  # (slot.branch, way taken) -> the slot's new class
         self._state_seen: Optional[StateWatch] = None  # the state as the last write-back left it
@@ -560,11 +567,30 @@ class StepPlanner:
                 run.state[key] = self._shaped_view(buffer, flat, start, key, shape)
             elif kind == "scalar":
                 run.scalar_keys[key] = value.shape
-                # (equal shapes across the run: the signature) one stack, then the segment scalars' shape
-                run.state[key] = torch.stack([entry[key] for entry in entries]).reshape(run.segmentation.scalar_shape)
+                run.state[key] = self._segment_state(run, key, entries)
             else:
                 run.state[key] = value
         return run
+
+    def _segment_state(self, run: Run, key: str, entries: List[Dict[str, Any]]) -> torch.Tensor:
+        """The run's one-value-per-parameter state ``key`` (a trust ratio, a norm kept between
+        steps) as one tensor of the segments' values, shaped as the segmentation's scalars; each
+        parameter's entry holds its view of it. A usual step then reads and writes it in place,
+        with no stack before the step and no copy per parameter after it (on a GPU: no launch).
+        Where an entry holds another tensor (first step, ``load_state_dict``, an edit), the values
+        are stacked into a new tensor and the entries get its views."""
+        cache_key = _segment_state_key(run, key)
+        held = self._segment_states.get(cache_key)
+        if held is not None and _hold_their_views(entries, key, held[1]):
+            return held[0]
+        # (equal shapes across the run: the signature)
+        stacked = torch.stack([entry[key] for entry in entries])
+        views = list(stacked.unbind(0))
+        for entry, view in zip(entries, views):
+            self._put(entry, key, view)
+        shaped = stacked.view(run.segmentation.scalar_shape)
+        self._segment_states[cache_key] = (shaped, views)
+        return shaped
 
     def _sync_run_state(self, run: Run, key: str, entries: List[Dict[str, Any]], path: Tuple = ()) -> None:
         """Each parameter's state ``key`` (with a ``path``: the leaf there of its container ``key``)
@@ -649,6 +675,14 @@ class StepPlanner:
         self._see_state()
 
     def _write_per_segment_state(self, run: Run, key: str, value: torch.Tensor, entries) -> None:
+        held = self._segment_states.get(_segment_state_key(run, key))
+        if held is not None and type(value) is torch.Tensor and _hold_their_views(entries, key, held[1]):
+            shaped = held[0]  # a usual step: the entries hold their views of the run's values
+            if value is not shaped and value.dtype == shaped.dtype and value.device == shaped.device:
+                shaped.copy_(value.reshape(shaped.shape))  # one copy for all the run's parameters
+                return
+            if value is shaped:  # updated in place
+                return
         shape = torch.Size(run.scalar_keys.get(key, ()))
         values = value.reshape(len(entries), *shape).unbind(0)  # each segment's value, shaped like its state
         currents = list(map(dict.get, entries, repeat(key)))

@@ -164,7 +164,10 @@ def _probe_clone(optimizer: torch.optim.Optimizer, group: Dict[str, Any], params
         except Exception as exc:
             raise ProbeCopyError(f"{type(exc).__name__}: {exc}") from exc
 
-    return optimizer_like(optimizer, [dict(settings, params=params)], state, deep, skip=("grad_scale", "found_inf"))
+    try:
+        return optimizer_like(optimizer, [dict(settings, params=params)], state, deep, skip=("grad_scale", "found_inf"))
+    except AttributeError as exc:  # e.g. param_groups a read-only property of a wrapper optimizer
+        raise ProbeCopyError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _user_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:

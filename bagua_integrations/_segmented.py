@@ -554,6 +554,12 @@ class SegmentedMode(TorchFunctionMode):
                 tensor.copy_(copy)
         self.journal.clear()
 
+    def start_step(self) -> None:
+        """Forget the lists over runs the last step stacked: each step stacks its own. (A compiled
+        step guards on this dict as its trace found it: left filled by the first compiled call,
+        the second call compiled again.)"""
+        self.by_stack_shape.clear()
+
     def forget(self) -> None:
         if self.journal:
             self.journal.clear()

@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -39,6 +40,7 @@ __all__ = [
     "mark_placeholder_without_source",
     "compiled_kernels_may_fuse_multiply_add",
     "dynamo_recompile_limit",
+    "ints_symbolic_from_the_first_graph",
     "step_keeping_lr_scheduler_marker",
     "mark_step_taken",
     "tensor_version",
@@ -263,6 +265,37 @@ def dynamo_recompile_limit(limit: int, graphs: Optional[int] = None):
     if graphs is not None and graphs < current:
         return nullcontext()
     return dynamo_config.patch({name: max(limit, current)})
+
+
+def ints_symbolic_from_the_first_graph(places: Iterable[Tuple[str, Any, str]]):
+    """A context in which Dynamo traces the optimizer's Python ints at ``places`` as symbols.
+
+    ``places``: ``("group", index, key)`` for ``optimizer.param_groups[index][key]`` and
+    ``("state", None, key)`` for ``key`` in every state entry. Dynamo makes an int symbolic
+    only once it has seen it change: a first graph with the value as a constant, then a
+    recompile, which this spares for step counts.
+
+    ``torch.compiler.config.dynamic_sources`` (torch 2.7 and later; checked on 2.11, 2.13 and
+    2.14) matches Dynamo's names of the values: ``L['optimizer']`` is the compiled function's
+    argument (``_compile._step_with_scalars_as_operands``); the state is named through the
+    dict's keys, matched by a pattern. Where the config or the names differ, nothing matches
+    and Dynamo recompiles once, as without this context.
+    """
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "dynamic_sources"):
+        return nullcontext()
+    patterns = []
+    for where, index, key in places:
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z0-9_]+", key):
+            continue  # (the config splits entries at commas and drops spaces; a colon names a dim)
+        if where == "group":
+            patterns.append(rf"L\['optimizer'\]\.param_groups\[{int(index)}\]\['{key}'\]$")
+        else:
+            patterns.append(rf"L\['optimizer'\]\.state\[.*\]\['{key}'\]$")
+    if not patterns:
+        return nullcontext()
+    current = config.dynamic_sources
+    return config.patch(dynamic_sources=",".join(([current] if current else []) + patterns))
 
 
 def step_keeping_lr_scheduler_marker(optimizer: torch.optim.Optimizer, new_step: Callable) -> Callable:

@@ -277,7 +277,7 @@ class Fusion:
         elements = sum(p.numel() for g in layout.groups.values() for p in g.per_tensor)
         if self.config.compile == "auto" and elements < AUTO_MIN_ELEMENTS:
             return None
-        unavailable = self._compile_unavailable(PER_TENSOR)
+        unavailable = self._compile_unavailable(PER_TENSOR) or layout.wrapper_reason
         if unavailable is not None:
             self.per_tensor_reason = unavailable
             self._warn_compile_off(unavailable, stacklevel=6)  # <- _per_tensor_steps <- Fusion <- fuse_optimizer <- user
@@ -626,6 +626,7 @@ class Fusion:
                             seg.index_blocks(proxy.device)
             self.segmented[key] = (mode, compiled)
         mode, compiled = self.segmented[key]
+        mode.start_step()
         # a first step on runs (over shards) creates the state: tracing it would cost a throw-away graph
         creates_state = self.stats.fused_steps == 0 and not all(
             optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"])

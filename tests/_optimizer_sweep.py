@@ -155,7 +155,7 @@ def sweep_one(name: str, cls, compiled: bool = False) -> Outcome:
     if compiled:
         status = "compiled" if report.compiled else f"eager ({report.compile_disabled_reason or 'not compiled'})"
         reasons.insert(0, f"{status}, {report.compile_graphs} graph(s)")
-    return Outcome(name, kind, "; ".join(reasons)[:200])
+    return Outcome(name, kind, "; ".join(reasons)[:2000])
 
 
 def optimizer_classes(names: Optional[List[str]] = None, collection: str = "pytorch_optimizer"):

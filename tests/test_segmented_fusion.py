@@ -814,6 +814,76 @@ def test_novograd_resumed_from_a_fused_checkpoint_equals_uninterrupted(load_afte
     assert report.fused_params == 4 and report.group_paths == ["segmented", "segmented"], report
 
 
+# =========================================================================== one-value state, held per run
+class TrustKeeper(torch.optim.Optimizer):
+    """Two kinds of one-value state per parameter, as LAMB-like optimizers keep them: a running
+    gradient norm updated in place (``norm_avg``) and a trust ratio replaced every step (``ratio``)."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["norm_avg"] = torch.ones([], dtype=p.dtype)
+                    state["ratio"] = torch.ones([], dtype=p.dtype)
+                state["norm_avg"].lerp_(p.grad.norm(), 0.1)
+                state["ratio"] = p.norm() / (state["norm_avg"] + 1e-3)
+                p.add_(p.grad * state["ratio"], alpha=-group["lr"])
+
+
+def _edit_one_value_state(opt, params):
+    """Between two steps, as a user may: one value edited in place, one replaced."""
+    opt.state[params[0]]["norm_avg"].mul_(3.0)
+    opt.state[params[2]]["ratio"] = torch.tensor(0.25)
+    opt.state[params[3]]["norm_avg"] = torch.tensor(7.0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_value_state_is_held_per_run_and_follows_edits_and_checkpoints(compiled):
+    """Each parameter's one-value state (a norm, a trust ratio) is its view of one tensor per run,
+    which the fused step reads and writes in place: no stack before a step, no copy per parameter
+    after it. The values stay each parameter's own, through in-place edits and replacements between
+    steps, and through a checkpoint loaded by the unfused optimizer."""
+    if compiled and _compile.compile_unavailable_reason("segmented") is not None:
+        pytest.skip(str(_compile.compile_unavailable_reason("segmented")))
+    data = loud_batches(12)
+    models = [TinyNet(), TinyNet()]
+    plain = TrustKeeper(models[0].parameters())
+    fused = fuse_optimizer(TrustKeeper(models[1].parameters()), compile=compiled)
+    train(models[0], plain, data[:3])
+    train(models[1], fused, data[:3], step=fused.fuse_step)
+    assert fusion_report(fused).group_paths == ["segmented"], fusion_report(fused)
+    stepped = [p for p in models[1].parameters() if fused.state.get(p)]
+    held = {key: [fused.state[p][key] for p in stepped] for key in ("norm_avg", "ratio")}
+    for values in held.values():  # one tensor per run (TinyNet: a run of weights, one of biases)
+        assert len({v.untyped_storage().data_ptr() for v in values}) <= 2, values
+    train(models[1], fused, data[3:5], step=fused.fuse_step)
+    train(models[0], plain, data[3:5])
+    for key, values in held.items():  # a usual step wrote through the views: the same objects
+        assert all(fused.state[p][key] is v for p, v in zip(stepped, values)), key
+    assert_same_state(plain, fused)
+
+    for opt, model in ((plain, models[0]), (fused, models[1])):
+        _edit_one_value_state(opt, [p for p in model.parameters() if opt.state.get(p)])
+    train(models[0], plain, data[5:8])
+    train(models[1], fused, data[5:8], step=fused.fuse_step)
+    assert_same_params(*models)
+    assert_same_state(plain, fused)
+
+    resumed = TrustKeeper(models[1].parameters())
+    resumed.load_state_dict(saved(fused.state_dict()))
+    train(models[0], plain, data[8:])
+    train(models[1], resumed, data[8:])
+    assert_same_params(*models)
+    assert_same_state(plain, resumed)
+
+
 # =========================================================================== a wrong segmentation is caught
 def _one_segment(original):
     """The whole run as one segment (the brief's deliberately wrong segmentation)."""

@@ -1019,11 +1019,14 @@ class ReadOnlyWrapper(torch.optim.Optimizer):
         return self.inner.step(closure)
 
 
-def test_a_wrapper_with_read_only_state_runs_its_own_step():
+@pytest.mark.parametrize("compile", ["auto", True])
+def test_a_wrapper_with_read_only_state_runs_its_own_step(compile):
+    """``compile=True`` too: the compiled per-parameter step is not tried on a wrapper (its probe
+    copied the wrapper and failed with a bare ``AttributeError``: pytorch-optimizer's Magma)."""
     a, b = TinyNet(), TinyNet()
     plain = ReadOnlyWrapper(torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9))
     with pytest.warns(FusionFallbackWarning, match="wrapper"):
-        fused = fuse_optimizer(ReadOnlyWrapper(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)))
+        fused = fuse_optimizer(ReadOnlyWrapper(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)), compile=compile)
     data = batches(4)
     train(a, plain, data)
     train(b, fused, data, step=fused.fuse_step)

@@ -7,6 +7,8 @@ the fix starts in that one module.
 
 from __future__ import annotations
 
+import contextlib
+import types
 import warnings
 
 import pytest
@@ -316,6 +318,44 @@ def test_math_pow_kept_symbolic_keeps_an_int_step_count_from_recompiling(private
         assert torch.equal(t, eager_t) and group == eager_group == {"step": 6}
 
 
+def test_ints_symbolic_from_the_first_graph_spares_the_recompile_of_a_step_count(private_api):
+    """A Python int step count in a param group and in each state entry, named as the compiled step
+    names them (its argument is ``optimizer``): one graph over 5 steps with the context, two without
+    (a constant first, then a symbol). Where the release has no ``dynamic_sources``, it does nothing."""
+    name = "ints_symbolic_from_the_first_graph"
+    with private_api(name):
+        import torch.compiler
+
+        param = torch.ones(3)  # (a leaf without grad: the step writes it in place)
+        places = [("group", 0, "step"), ("state", None, "count")]
+
+        def step(optimizer):
+            group = optimizer.param_groups[0]
+            group["step"] += 1
+            entry = optimizer.state[group["params"][0]]
+            entry["count"] += 1
+            group["params"][0].mul_(1.0 + 0.1 * group["step"] - 0.01 * entry["count"])
+
+        def graphs_for(context):
+            graphs, backend = _counting_backend()
+            compiled = torch.compile(step, backend=backend, fullgraph=True)
+            # (not a torch.optim.Optimizer: Dynamo would add its own "capturable" key to the group)
+            opt = types.SimpleNamespace(param_groups=[{"params": [param], "step": 1}], state={param: {"count": 1}})
+            for _ in range(5):
+                with context():
+                    compiled(opt)
+            return len(graphs), opt
+
+        if not hasattr(getattr(torch.compiler, "config", None), "dynamic_sources"):
+            pytest.skip(f"torch {torch.__version__} has no torch.compiler.config.dynamic_sources (the context does nothing)")
+        with_it, opt = graphs_for(lambda: compat.ints_symbolic_from_the_first_graph(places))
+        without, _ = graphs_for(contextlib.nullcontext)
+        assert opt.param_groups[0]["step"] == 6 and opt.state[param]["count"] == 6
+        assert without == 2, f"Dynamo itself: {without} graphs (expected a constant, then a symbol)"
+        assert with_it == 1, changed(name, f"{with_it} graphs for 5 steps: the names no longer match Dynamo's")
+        assert torch.compiler.config.dynamic_sources == "", "the config was left patched"
+
+
 # ------------------------------------------------------------------------------ LR-scheduler markers
 def _sgd():
     param = torch.nn.Parameter(torch.ones(2))
@@ -443,7 +483,7 @@ TESTED = {
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "tensor_versions", "register_state_dict_post_hook",
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
     "compiled_steps_unsupported", "floats_used_directly", "floats_need_a_direct_use", "cpu_kernels_truncate_float_min_max",
-    "compiled_kernels_may_fuse_multiply_add",
+    "compiled_kernels_may_fuse_multiply_add", "ints_symbolic_from_the_first_graph",
 }
 
 
