@@ -37,7 +37,6 @@ from ._torch_compat import (
     dynamo_recompile_limit,
     exception_chain,
     floats_need_a_direct_use,
-    floats_symbolic_from_the_first_graph,
     floats_used_directly,
     forget_float_specializations,
     inductor_backend,
@@ -80,12 +79,6 @@ def _carries_python_numbers(args, kwargs) -> bool:
 # first compile, one recompile when Dynamo makes changing scalars symbolic, and slack for
 # a run structure that changes once (e.g. a parameter that gets its first gradient late).
 MAX_GRAPHS = 4
-# Whether the learning rate is a symbol from a compiled step's first graph (one graph under a
-# schedule). Not where floats need a direct use (torch 2.6 - 2.12): on torch 2.11 a first graph with a
-# symbolic rate computed BertAdam's warmup-scaled rate wrong, silently
-# (tests/test_segmented_fusion.py::test_compiled_segmented_step_keeps_its_graphs_under_a_changing_lr);
-# there the rate becomes a symbol on its first change, with a recompile, which was right.
-RATES_SYMBOLIC_FROM_THE_FIRST_GRAPH = not floats_need_a_direct_use()
 # Below this many flat elements, compile time outweighs the gain ("auto" stays eager).
 AUTO_MIN_ELEMENTS = 1 << 20
 
@@ -292,7 +285,6 @@ class CompiledStep:
         self.watched: Dict[int, FrozenSet[int]] = {}
         CompiledStep._instances += 1
         private = _private_copy(_step_with_scalars_as_operands, f"fused_step_{CompiledStep._instances}")
-        self._code = private.__code__
         self._compiled = torch.compile(private, backend=self._backend, fullgraph=True, dynamic=dynamic)
         dynamo_dispatches_foreach_to_modes()
 
@@ -328,14 +320,10 @@ class CompiledStep:
     def _run_compiled(self, optimizer, raw_step, mode) -> bool:
         graphs_before = self.graphs
         # Python ints (step counts) are symbols in the first graph: Dynamo would make a graph with
-        # each as a constant, then another once it changed (a tenth of BertAdam's first three steps
-        # on BERT-base on a CPU; more on a GPU). Ints that never change cost nothing as symbols: they
-        # are guarded as Dynamo would guard the constants.
+        # each as a constant, then another once it changed (a third of BertAdam's first three steps
+        # on BERT-base; more on a GPU). Ints that never change cost nothing as symbols: they are
+        # guarded as Dynamo would guard the constants.
         counters = list(_python_ints(optimizer)) if graphs_before == 0 else ()
-        if graphs_before == 0 and RATES_SYMBOLIC_FROM_THE_FIRST_GRAPH:  # a rate a schedule changes every step
-            floats_symbolic_from_the_first_graph(self._code, [
-                f"L['optimizer'].param_groups[{i}]['lr']" for i, group in enumerate(optimizer.param_groups)
-                if type(group.get("lr")) is float])
         started = time.perf_counter()
         forget_float_specializations()
         floats_before = _python_floats(optimizer)

@@ -41,7 +41,6 @@ __all__ = [
     "compiled_kernels_may_fuse_multiply_add",
     "dynamo_recompile_limit",
     "ints_symbolic_from_the_first_graph",
-    "floats_symbolic_from_the_first_graph",
     "step_keeping_lr_scheduler_marker",
     "mark_step_taken",
     "tensor_version",
@@ -297,31 +296,6 @@ def ints_symbolic_from_the_first_graph(places: Iterable[Tuple[str, Any, str]]):
         return nullcontext()
     current = config.dynamic_sources
     return config.patch(dynamic_sources=",".join(([current] if current else []) + patterns))
-
-
-def floats_symbolic_from_the_first_graph(code, names: Iterable[str]) -> bool:
-    """Make Dynamo trace the Python floats at ``names`` (Dynamo's names of the values, e.g.
-    ``L['optimizer'].param_groups[0]['lr']``) as symbols in the first graph of ``code``; True if
-    it could. For learning rates: a schedule changes them every step, and Dynamo makes a float a
-    symbol only once it has seen it change (a first graph with the value as a constant, then a
-    recompile). ``dynamic_sources`` (see :func:`ints_symbolic_from_the_first_graph`) covers ints only.
-
-    Private: Dynamo keeps what it has seen change per code object ("automatic dynamic", in
-    ``torch._dynamo.pgo``: ``get_code_state()[CodeId.make(code)].automatic_dynamic``); an entry
-    marked ``auto_dynamic`` there is what a change would have left. ``code`` must be a code object
-    of its own (the compiled step's private copy), so that nothing else is affected. Checked on
-    torch 2.11, 2.13 and 2.14.1; where the module differs, nothing is seeded and a changed rate
-    recompiles once, as without it.
-    """
-    try:
-        from torch._dynamo.pgo import CodeId, FrameStateSizeEntry, auto_dynamic, get_code_state
-
-        seen = get_code_state()[CodeId.make(code)].automatic_dynamic
-        for name in names:
-            seen[name] = FrameStateSizeEntry.make_scalar(auto_dynamic)
-    except Exception:  # (ImportError, or another shape of the private API)
-        return False
-    return True
 
 
 def step_keeping_lr_scheduler_marker(optimizer: torch.optim.Optimizer, new_step: Callable) -> Callable:

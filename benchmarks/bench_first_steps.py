@@ -8,7 +8,6 @@ first steps, their sum with the build, and how many graphs were compiled.
 
     python benchmarks/bench_first_steps.py                       # BertAdam, LAMB, pytorch-optimizer Lamb
     python benchmarks/bench_first_steps.py --repeats 2 --src ../other-checkout --src .   # before / after
-    python benchmarks/bench_first_steps.py --schedule            # under a learning-rate schedule
 
 ``--src`` (repeatable) names checkouts of this repository whose ``bagua_integrations`` is imported;
 their lines alternate, so that both see the same state of the machine.
@@ -27,7 +26,7 @@ import time
 OPTIMIZERS = ("BertAdam", "LAMB", "pytorch-optimizer Lamb")
 
 
-def _child(name: str, steps: int, schedule: bool) -> dict:
+def _child(name: str, steps: int) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_optimizer_step import MODELS, make_params
 
@@ -44,20 +43,10 @@ def _child(name: str, steps: int, schedule: bool) -> dict:
     started = time.perf_counter()
     optimizer = fuse_optimizer(make(params), compile=True)
     build = time.perf_counter() - started
-    scheduler = None
-    if schedule:
-        import warnings
-
-        import torch
-
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")  # (fuse_step is not step)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         optimizer.fuse_step()
-        if scheduler is not None:
-            scheduler.step()
         times.append(time.perf_counter() - started)
     report = fusion_report(optimizer)
     return {"build": build, "steps": times, "graphs": report.compile_graphs, "compiled": report.compiled}
@@ -70,18 +59,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--src", action="append", help="a checkout of this repository to import (repeatable)")
     parser.add_argument("--warm-cache", action="store_true", help="one Inductor cache directory for every line")
-    parser.add_argument("--schedule", action="store_true", help="a new learning rate every step (LambdaLR)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args.child, args.steps, args.schedule)))
+        print(json.dumps(_child(args.child, args.steps)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sources = [os.path.abspath(s) for s in (args.src or [here])]
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     print(f"# build + first steps, bert-base shapes (201 tensors, 109.5 M fp32), compile=True; "
-          f"{'one warm' if args.warm_cache else 'an empty'} Inductor cache; "
-          f"{'LambdaLR: a new learning rate every step; ' if args.schedule else ''}{os.cpu_count()} CPUs")
+          f"{'one warm' if args.warm_cache else 'an empty'} Inductor cache; {os.cpu_count()} CPUs")
     print("| optimizer | checkout | build s | " + " | ".join(f"step {i + 1} s" for i in range(args.steps))
           + " | build + first 3 steps s | graphs |")
     print("|---|---|---:|" + "---:|" * args.steps + "---:|---:|")
@@ -92,8 +79,7 @@ def main() -> None:
                     with tempfile.TemporaryDirectory() as cold:
                         env = dict(os.environ, PYTHONPATH=src, TORCHINDUCTOR_CACHE_DIR=warm if args.warm_cache else cold)
                         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
-                                              "--steps", str(args.steps)] + ["--schedule"] * args.schedule,
-                                             env=env, capture_output=True, text=True)
+                                              "--steps", str(args.steps)], env=env, capture_output=True, text=True)
                     if out.returncode != 0:
                         print(f"| {name} | {src} | failed: {out.stderr.strip().splitlines()[-1:]} |", flush=True)
                         continue

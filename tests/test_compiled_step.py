@@ -417,26 +417,21 @@ def test_floats_written_tells_a_float_written_by_the_step_from_one_left_alone():
 
 
 # =========================================================================== one graph from the start
-def _first_graphs(make, schedule, steps=6):
-    """Train ``make``'s optimizer fused and compiled next to its unfused self (``schedule``: under a
-    learning-rate schedule, a new rate every step); return the fused one and its graph count after
-    ``steps`` steps."""
+def _first_graphs(make, steps=6):
+    """Train ``make``'s optimizer fused and compiled next to its unfused self; return the fused one,
+    its graph count after ``steps`` steps and the worst relative parameter difference."""
     data = batches(steps)
     models = [TinyNet() for _ in range(2)]
     plain = make(models[0].parameters())
     fused = fuse_optimizer(make(models[1].parameters()), compile=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)  # the compiled step must be what ran
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")  # (fuse_step is not step)
         for opt, model in ((plain, models[0]), (fused, models[1])):
             step = fused.fuse_step if opt is fused else opt.step
-            scheduler = O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if schedule else None
             for x, y in data:
                 opt.zero_grad(set_to_none=True)
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 step()
-                if scheduler is not None:
-                    scheduler.step()
     assert fusion_report(fused).compiled, fusion_report(fused)
     assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
     assert [sorted(g) for g in fused.param_groups] == [sorted(g) for g in plain.param_groups]
@@ -451,47 +446,39 @@ def _pytorch_optimizer_lamb(params):
 _COUNTED = {
     "BertAdam": lambda ps: BertAdam(ps, lr=1e-3),  # an int step count in every state entry
     "pytorch-optimizer Lamb": _pytorch_optimizer_lamb,  # group["step"] += 1, foreach calls over runs
-    "torch AdamW": lambda ps: O.AdamW(ps, lr=1e-3),  # a tensor step count: only the rate changes
 }
 
 
 @pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
                     reason=str(_compile.compile_unavailable_reason("segmented")))
-@pytest.mark.parametrize("schedule", [False, True], ids=["constant-rate", "scheduled-rate"])
 @pytest.mark.parametrize("name", sorted(_COUNTED))
-def test_python_int_step_counts_are_symbols_in_the_first_graph(name, schedule):
-    """Python int step counts (in the state entries or the param group) and the learning rate a
-    schedule changes are symbols in the first graph: one compile, where a first graph with them as
-    constants and a recompile once they changed cost BertAdam and LAMB a tenth of their first three
-    steps on BERT-base (CPU). The
+def test_python_int_step_counts_are_symbols_in_the_first_graph(name):
+    """Python int step counts (in the state entries or the param group) are symbols in the first
+    graph: one compile, where a first graph with the count as a constant and a recompile once it
+    changed cost BertAdam and LAMB a tenth of their first three steps on BERT-base (CPU). The
     compiled call leaves no key of Dynamo's (``capturable``) in the param groups, which made
     another recompile and reached the optimizer's ``state_dict``; and each step's lists over runs
     start empty (``SegmentedMode.start_step``: left filled, the next call's guard failed)."""
-    _, graphs = _first_graphs(_COUNTED[name], schedule)
-    # (torch 2.6 - 2.12: a scheduled rate becomes a symbol on its first change, a second graph; see _compile)
-    assert graphs == (2 if schedule and not _compile.RATES_SYMBOLIC_FROM_THE_FIRST_GRAPH else 1), graphs
+    _, graphs = _first_graphs(_COUNTED[name])
+    assert graphs == 1, graphs
 
 
 @pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
                     reason=str(_compile.compile_unavailable_reason("segmented")))
-@pytest.mark.parametrize("broken", ["counts constant", "rate constant", "Dynamo's key kept", "stacks kept"])
+@pytest.mark.parametrize("broken", ["counts constant", "Dynamo's key kept", "stacks kept"])
 def test_first_graph_must_take_the_counts_symbolic_and_start_each_step_clean(monkeypatch, broken):
-    """Deliberately broken: each of the four things the single compile needs, undone in turn."""
+    """Deliberately broken: each of the three things the single compile needs, undone in turn."""
     import contextlib
 
     from bagua_integrations import _segmented
 
     if broken == "counts constant":
         monkeypatch.setattr(_compile, "ints_symbolic_from_the_first_graph", lambda places: contextlib.nullcontext())
-    elif broken == "rate constant":
-        if not _compile.RATES_SYMBOLIC_FROM_THE_FIRST_GRAPH:
-            pytest.skip(f"torch {torch.__version__}: the rate is not a symbol from the first graph here")
-        monkeypatch.setattr(_compile, "floats_symbolic_from_the_first_graph", lambda code, names: False)
     elif broken == "Dynamo's key kept":
         monkeypatch.setattr(_compile, "_groups_keep_capturable", lambda optimizer: contextlib.nullcontext())
     else:
         monkeypatch.setattr(_segmented.SegmentedMode, "start_step", lambda self: None)
-    make = _COUNTED[{"counts constant": "BertAdam", "rate constant": "torch AdamW"}.get(broken, "pytorch-optimizer Lamb")]
+    make = _COUNTED["BertAdam" if broken == "counts constant" else "pytorch-optimizer Lamb"]
     with pytest.raises(AssertionError):
-        _, graphs = _first_graphs(make, schedule=broken == "rate constant")
+        _, graphs = _first_graphs(make)
         assert graphs == 1, graphs

@@ -188,10 +188,9 @@ def test_a_step_tensor_written_between_two_reads_is_read_as_written(kind):
 
 @pytest.mark.parametrize("name", ["AdamW", "NAdam", "RAdam"])
 def test_fused_torch_optimizers_compiled_on_a_flat_buffer_hoist_their_bias_corrections(monkeypatch, name):
-    """Under a learning-rate schedule the compiled step reads the rate from a 0-dim tensor
-    (``lr_t.item()``) from its first graph on (torch 2.6 - 2.12: from its second): the bias
-    corrections it starts from are hoisted there too, without Dynamo specializing the rate (a
-    recompile per step)."""
+    """Under a learning-rate schedule the compiled step's second graph reads the rate from a 0-dim
+    tensor (``lr_t.item()``): the bias corrections it starts from are hoisted there too, without
+    Dynamo specializing the rate (a recompile per step)."""
     from bagua_integrations import _scalar_prologue, fuse_optimizer, fusion_report
     from bagua_integrations._compile import compile_unavailable_reason
 
@@ -216,10 +215,7 @@ def test_fused_torch_optimizers_compiled_on_a_flat_buffer_hoist_their_bias_corre
         for schedule in schedules:
             schedule.step()
     report = fusion_report(opts[1])
-    from bagua_integrations._compile import RATES_SYMBOLIC_FROM_THE_FIRST_GRAPH
-
-    graphs = 1 if RATES_SYMBOLIC_FROM_THE_FIRST_GRAPH else 2  # (torch 2.6 - 2.12: a symbol on its first change)
-    assert report.compiled and report.compile_graphs == graphs, report
-    assert len(chosen) == graphs and all(chosen), f"a graph kept its bias corrections in the kernel: {chosen}"
+    assert report.compiled and report.compile_graphs == 2, report
+    assert len(chosen) == 2 and all(chosen), f"a graph kept its bias corrections in the kernel: {chosen}"
     for a, b in zip(ref, params):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)

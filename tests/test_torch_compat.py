@@ -356,42 +356,6 @@ def test_ints_symbolic_from_the_first_graph_spares_the_recompile_of_a_step_count
         assert torch.compiler.config.dynamic_sources == "", "the config was left patched"
 
 
-def test_floats_symbolic_from_the_first_graph_spares_the_recompile_of_a_scheduled_rate(private_api):
-    """A learning rate that changes every step: one graph over 5 steps where Dynamo's memory of the
-    function's code says the rate changes, two without (a constant first, then a symbol)."""
-    import importlib.util
-
-    name = "floats_symbolic_from_the_first_graph"
-    if compat.compiled_steps_unsupported("elementwise") is not None or importlib.util.find_spec("torch._dynamo.pgo") is None:
-        pytest.skip(f"torch {torch.__version__}: no compiled steps, or no torch._dynamo.pgo (the seeding does nothing)")
-    with private_api(name):
-        def graphs_for(seed):
-            graphs, backend = _counting_backend()
-
-            def step(optimizer):  # a new code object for each run: Dynamo's memory is per code object
-                group = optimizer.param_groups[0]
-                group["params"][0].mul_(1.0 - group["lr"])
-
-            step.__code__ = step.__code__.replace(co_name=f"step_{'seeded' if seed else 'plain'}")
-            if seed:
-                assert compat.floats_symbolic_from_the_first_graph(step.__code__, ["L['optimizer'].param_groups[0]['lr']"])
-            compiled = torch.compile(step, backend=backend, fullgraph=True)
-            t = torch.ones(3)
-            opt = types.SimpleNamespace(param_groups=[{"params": [t], "lr": 0.1}], state={})
-            for n in range(5):
-                opt.param_groups[0]["lr"] = 0.1 / (n + 1)
-                compiled(opt)
-            expected = torch.ones(3)
-            for n in range(5):
-                expected.mul_(1.0 - 0.1 / (n + 1))
-            torch.testing.assert_close(t, expected)
-            return len(graphs)
-
-        assert graphs_for(seed=False) == 2, "Dynamo itself: expected a constant rate, then a symbol"
-        seeded = graphs_for(seed=True)
-        assert seeded == 1, changed(name, f"{seeded} graphs for 5 rates: torch._dynamo.pgo's code state no longer decides")
-
-
 # ------------------------------------------------------------------------------ LR-scheduler markers
 def _sgd():
     param = torch.nn.Parameter(torch.ones(2))
@@ -520,7 +484,6 @@ TESTED = {
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
     "compiled_steps_unsupported", "floats_used_directly", "floats_need_a_direct_use", "cpu_kernels_truncate_float_min_max",
     "compiled_kernels_may_fuse_multiply_add", "ints_symbolic_from_the_first_graph",
-    "floats_symbolic_from_the_first_graph",
 }
 
 
