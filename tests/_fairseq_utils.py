@@ -217,7 +217,10 @@ def _command(data, save_dir, args, model, nproc, workdir: Path) -> List[str]:
 # thread and the unwind hits a noexcept frame (std::terminate). Plain torch reproduces it (4 of 20
 # torchrun runs of an all_reduce loop that exits normally). bagua_integrations now destroys the process
 # groups at exit (comm.destroy_process_groups_at_exit: 0 of 20), and async destroys its own group
-# (fairseq async under load: 4 of 21 before, 0 of 12 after). Such a run is
+# (fairseq async under load: 4 of 21 before, 0 of 12 after); that destroy joins gloo's threads only
+# since torch's own reference to the default group (torch.distributed.nn.functional's defaults, bound
+# when building an optimizer after init imports it) is dropped first. A run without bagua's exit
+# handler (fairseq's own reference runs) still has torch's race. Such a run is
 # relaunched once (only that exact signature; wrong numbers still fail) -- loudly: every relaunch warns
 # with RelaunchedRunWarning, which pytest lists with the failed attempt's stderr, so it is counted.
 _GLOO_ABORT = "terminate called without an active exception"

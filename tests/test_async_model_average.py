@@ -11,6 +11,7 @@ during a round) fails it.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -304,6 +305,104 @@ def _exit_warnings(log_dir, rank):
 
     path = os.path.join(log_dir, f"warnings{rank}.txt")
     return open(path).read() if os.path.exists(path) else ""
+
+
+def _gloo_threads():
+    """Names of this process's threads that belong to gloo (Linux; torch names them)."""
+    import os
+
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as handle:
+                names.append(handle.read().strip())
+        except OSError:
+            pass
+    return sorted(name for name in names if "gloo" in name)
+
+
+def _threads_left_at_exit(rank, world, log_dir, algorithm):
+    """Train, then leave as a script does; the last exit handler (registered first) writes which
+    gloo threads still run when the interpreter's teardown begins."""
+    import atexit
+    import json
+    import os
+
+    import torch.distributed.nn.functional  # noqa: F401 - as torch.optim does: binds group=WORLD now
+
+    from bagua_integrations import bagua_init
+
+    def record_at_exit():
+        with open(os.path.join(log_dir, f"threads{rank}.json"), "w") as handle:
+            json.dump({"before": before, "at_teardown": _gloo_threads()}, handle)
+
+    atexit.register(record_at_exit)
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    extra = {"async": dict(sync_interval_ms=0, warmup_steps=2), "hierarchical": dict(hierarchical_reduce=True)}
+    wrapped, _ = bagua_init(model, optimizer, "gradient_allreduce" if algorithm == "hierarchical" else algorithm,
+                            **extra.get(algorithm, {}))
+    for step in range(8):
+        optimizer.zero_grad()
+        wrapped(_data(rank, step)).backward()
+        optimizer.step()
+    before = _gloo_threads()
+    return len(before)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from Linux's /proc")
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "async", "hierarchical"])
+def test_gloo_threads_are_joined_before_the_interpreter_tears_down(tmp_path, algorithm):
+    """The exit race's cause, checked directly: a gloo worker thread still running when Python
+    finalizes can drop the last reference to a Python tensor there and kill the rank with
+    ``terminate called without an active exception`` (1 run in about 60 of the exit test above on
+    torch 2.14.1). Destroying the groups at exit joins those threads only when nothing else keeps
+    a group: neither this package's caches (async's own group was kept by them) nor torch's
+    ``torch.distributed.nn.functional``, which binds ``group=WORLD`` when it is imported after
+    ``init_process_group`` (building any torch optimizer imports it), nor the node groups of a
+    hierarchical reduction (4 ranks as 2 nodes x 2)."""
+    import json
+
+    hierarchy = dict(world_size=4, env={"LOCAL_WORLD_SIZE": 2}) if algorithm == "hierarchical" else dict(world_size=2)
+    results = run_ranks(_threads_left_at_exit, args=(str(tmp_path), algorithm), timeout=120, pg_timeout=30,
+                        exit_normally=True, **hierarchy)
+    for result in results:
+        assert result.ok, result.describe()
+        if not result.value:
+            pytest.skip("this torch does not name gloo's threads")
+        with open(tmp_path / f"threads{result.rank}.json") as handle:
+            threads = json.load(handle)
+        assert threads["before"], threads
+        assert threads["at_teardown"] == [], f"rank {result.rank}: gloo threads left running into teardown: {threads}"
+
+
+def _switch_away_from_async(rank, world):
+    from bagua_integrations.distributed import ModelSwitchWrapper
+
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    world_only = _gloo_threads()
+    wrapper = ModelSwitchWrapper(model, optimizer).switch_to("async", sync_interval_ms=0, warmup_steps=1)
+    for step in range(12):
+        optimizer.zero_grad()
+        wrapper(_data(rank, step)).backward()
+        optimizer.step()
+    with_async = _gloo_threads()
+    wrapper.switch_to("gradient_allreduce")
+    return {"world": world_only, "async": with_async, "after": _gloo_threads()}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from Linux's /proc")
+def test_switching_away_from_async_joins_its_groups_threads():
+    """async's own process group is destroyed when it detaches: its gloo threads end then, not at
+    the process's exit (this package's record of the group kept it, and them, alive)."""
+    for result in run_ranks(_switch_away_from_async, 2, timeout=120, pg_timeout=30):
+        assert result.ok, result.describe()
+        threads = result.value
+        if not threads["world"]:
+            pytest.skip("this torch does not name gloo's threads")
+        assert len(threads["async"]) > len(threads["world"]), threads  # its own group had threads
+        assert threads["after"] == threads["world"], threads
 
 
 def test_exit_with_rounds_running_is_prompt_when_every_rank_exits(tmp_path):

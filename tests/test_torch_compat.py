@@ -701,3 +701,40 @@ def test_fsdp2_shards_can_be_pointed_at_other_memory():
     for all_gathered_from_it, shape in values(run_ranks(_fsdp2_shard_pointers, 2, timeout=120)):
         assert all_gathered_from_it, changed("fsdp2_point_shard_at", "FSDP2 did not all-gather the new memory")
         assert shape[1] == 4
+
+
+# ------------------------------------------------------------------------------ drop_group_defaults_kept_by_torch
+def test_drop_group_defaults_kept_by_torch_replaces_the_group_only_in_torch_distributed(monkeypatch):
+    """Only defaults that *are* the group, in modules under ``torch.distributed``; both kinds of
+    default. (The real default it exists for, ``torch.distributed.nn.functional``'s, is checked on
+    2 ranks in test_async_model_average.py::test_gloo_threads_are_joined_before_the_interpreter_tears_down.)"""
+    import sys
+    import types
+
+    group, other = object(), object()
+
+    def make_module(name):
+        def positional(x, group=group, op=other):
+            return group
+
+        def keyword(x, *, group=group, op=other):
+            return group
+
+        def unrelated(x, op=other):
+            return op
+
+        module = types.ModuleType(name)
+        module.positional, module.keyword, module.unrelated = positional, keyword, unrelated
+        monkeypatch.setitem(sys.modules, name, module)
+        return module
+
+    inside, outside = make_module("torch.distributed._bagua_probe"), make_module("bagua_probe_elsewhere")
+    assert compat.drop_group_defaults_kept_by_torch(group) == 2
+    assert inside.positional(1) is None and inside.keyword(1) is None
+    assert inside.positional.__defaults__[1] is other and inside.keyword.__kwdefaults__["op"] is other
+    assert inside.unrelated(1) is other
+    assert outside.positional(1) is group and outside.keyword(1) is group
+    assert compat.drop_group_defaults_kept_by_torch(group) == 0
+
+
+TESTED.add("drop_group_defaults_kept_by_torch")

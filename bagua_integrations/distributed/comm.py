@@ -128,6 +128,24 @@ _groups: Dict[object, Tuple[object, _GroupInfo]] = {}
 _last_launch: Optional[Tuple[int, _GroupInfo, int]] = None
 
 
+def release_group(group=None) -> None:
+    """Drop what this module keeps of ``group`` (None: of every group), before it is destroyed.
+
+    Why: ``dist.destroy_process_group`` joins gloo's worker threads only when it drops the last
+    reference to the group; a reference kept here would leave them running into the
+    interpreter's teardown (see :func:`destroy_process_groups_at_exit`)."""
+    global _last_launch
+    _last_launch = None
+    if group is None:
+        _groups.clear()
+        NodeGroups._cache.clear()
+        return
+    _groups.pop(group, None)
+    for key, (_, nodes) in list(NodeGroups._cache.items()):
+        if group is nodes.intra_group or group is nodes.leader_group:
+            del NodeGroups._cache[key]
+
+
 def _launched(work, group, tensor: torch.Tensor):
     """Number the collective ``work`` on its group, for the stall watchdog (CPU collectives only)."""
     global _last_launch
@@ -546,6 +564,13 @@ def destroy_process_groups_at_exit() -> None:
     4 of 20 ``torchrun`` runs of a 2-rank all_reduce loop that exits normally. Destroying the
     groups first, as torch itself advises, joins those threads while Python still runs: 0 of
     20. Handlers registered later (``async``'s exit abort) run before this one.
+
+    Destroying a group joins its threads only when that drops the last reference to it: this
+    module's records of groups are dropped first (:func:`release_group`), and so is the one torch
+    keeps when ``torch.distributed.nn`` is imported after ``init_process_group``, which building
+    any torch optimizer does (``_torch_compat.drop_group_defaults_kept_by_torch``). Without the
+    latter, every script that builds its optimizer after initializing kept gloo's threads into the
+    teardown (seen: 1 ``async`` exit in ~60 aborted on torch 2.14.1, CI under load).
     """
     global _destroy_registered
     if not _destroy_registered:
@@ -554,8 +579,10 @@ def destroy_process_groups_at_exit() -> None:
 
 
 def _destroy_process_groups() -> None:
+    release_group(None)
     if dist.is_available() and dist.is_initialized():
         try:
+            _torch_compat.drop_group_defaults_kept_by_torch(dist.group.WORLD)
             dist.destroy_process_group()
         except Exception as error:  # noqa: BLE001 - leaving anyway; say why the exit may be noisy
             warnings.warn(f"destroying the process groups at exit failed: {error}", stacklevel=1)

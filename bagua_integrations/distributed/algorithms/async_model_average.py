@@ -176,7 +176,10 @@ class AsyncModelAverage(ModelAlgorithm):
     def _destroy_group(self) -> None:
         """Our own group goes with us: its gloo threads must not outlive Python (see comm's exit note)."""
         group, self.averaging_group = self.averaging_group, None
-        if group is not None and dist.is_initialized():
+        if group is None:
+            return
+        comm.release_group(group)  # else our record of it outlives the destroy, and so do its threads
+        if dist.is_initialized():
             try:
                 dist.destroy_process_group(group)
             except Exception:  # noqa: BLE001 - already destroyed with the default group
