@@ -201,37 +201,34 @@ def _float_hyperparameters(optimizer) -> tuple:
     return tuple(found)
 
 
-def _python_floats(optimizer) -> Dict[tuple, float]:
-    """The Python floats in the param groups and in the state entries of their parameters (what a
-    step writes), by where they are. Only the groups' parameters: per-tensor steps call this once
-    per parameter, and a scan of the whole state there was quadratic in the parameter count."""
-    found = {}
+def _python_scalars(optimizer, kind: type):
+    """``((where, index or id(param), key), value)`` for each value of exactly type ``kind`` (a
+    bool is not an int) in the param groups (``"param group"``) and in the state entries of their
+    parameters (``"state"``). Only the groups' parameters: per-tensor steps call this once per
+    parameter, and a scan of the whole state there was quadratic in the parameter count."""
     state = optimizer.state
     for i, group in enumerate(optimizer.param_groups):
         for key, value in group.items():
-            if type(value) is float:
-                found[("param group", i, key)] = value
+            if type(value) is kind:
+                yield ("param group", i, key), value
         for param in group["params"]:
             entry = state.get(param)
             if isinstance(entry, dict):
                 for key, value in entry.items():
-                    if type(value) is float:
-                        found[("state", id(param), key)] = value
-    return found
+                    if type(value) is kind:
+                        yield ("state", id(param), key), value
+
+
+def _python_floats(optimizer) -> Dict[tuple, float]:
+    """The Python floats a step may write, by where they are (:func:`_python_scalars`)."""
+    return dict(_python_scalars(optimizer, float))
 
 
 def _python_ints(optimizer) -> set:
-    """Where the param groups and their parameters' state entries hold Python ints (not bools):
-    ``("group", index, key)``, and ``("state", None, key)`` for a key of any entry."""
-    found = set()
-    state = optimizer.state
-    for i, group in enumerate(optimizer.param_groups):
-        found.update(("group", i, key) for key, value in group.items() if type(value) is int)
-        for param in group["params"]:
-            entry = state.get(param)
-            if isinstance(entry, dict):
-                found.update(("state", None, key) for key, value in entry.items() if type(value) is int)
-    return found
+    """Where the optimizer holds Python ints, as ``_torch_compat.ints_symbolic_from_the_first_graph``
+    takes them: ``("group", index, key)``, and ``("state", None, key)`` for a key of any entry."""
+    return {("group", ident, key) if where == "param group" else ("state", None, key)
+            for (where, ident, key), _ in _python_scalars(optimizer, int)}
 
 
 def _floats_written(before: Dict[tuple, float], after: Dict[tuple, float]) -> list:

@@ -678,10 +678,10 @@ class StepPlanner:
         held = self._segment_states.get(_segment_state_key(run, key))
         if held is not None and type(value) is torch.Tensor and _hold_their_views(entries, key, held[1]):
             shaped = held[0]  # a usual step: the entries hold their views of the run's values
-            if value is not shaped and value.dtype == shaped.dtype and value.device == shaped.device:
-                shaped.copy_(value.reshape(shaped.shape))  # one copy for all the run's parameters
-                return
             if value is shaped:  # updated in place
+                return
+            if value.dtype == shaped.dtype and value.device == shaped.device:
+                shaped.copy_(value.reshape(shaped.shape))  # one copy for all the run's parameters
                 return
         shape = torch.Size(run.scalar_keys.get(key, ()))
         values = value.reshape(len(entries), *shape).unbind(0)  # each segment's value, shaped like its state
