@@ -474,7 +474,7 @@ def drop_group_defaults_kept_by_torch(group) -> int:
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch.distributed") or module is None:
             continue
-        for function in [value for value in vars(module).values() if isinstance(value, types.FunctionType)]:
+        for function in [value for value in vars(module).values() if type(value) is types.FunctionType]:
             positional, keyword = function.__defaults__ or (), function.__kwdefaults__ or {}
             found = sum(value is group for value in (*positional, *keyword.values()))
             if found:

@@ -22,10 +22,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 from bagua_integrations.distributed import comm as _comm  # noqa: E402
 
+from ._fairseq_compat import forget_global_group as _forget_global_group  # noqa: E402
 from .optimizer import BaguaFusedConfig, BaguaFusedOptimizer  # noqa: E402  (registers "bagua_fused")
 from .qadam import FairseqQAdam  # noqa: E402  (registers "qadam", the optimizer of --bagua-algorithm qadam)
 
-# fairseq-train never destroys its process groups; a gloo rank could then abort at exit (see there)
-_comm.destroy_process_groups_at_exit()
+# fairseq-train never destroys its process groups; a gloo rank could then abort at exit (see there).
+# fairseq's cached group is dropped first, or the destroy could not join its threads.
+_comm.destroy_process_groups_at_exit(release=_forget_global_group)
 
 __all__ = ["USER_DIR", "BaguaFusedConfig", "BaguaFusedOptimizer", "FairseqQAdam"]

@@ -28,6 +28,7 @@ __all__ = [
     "parser_option_dests",
     "wrap_parse_known_args",
     "call_before_each_save",
+    "forget_global_group",
 ]
 
 # (args, namespace) -> (parsed namespace, unrecognised strings): argparse's parse_known_args
@@ -126,3 +127,23 @@ def call_before_each_save(torch_optimizer, callback: Callable[[], None]) -> None
     before writing ``crash.pt``. Checked on fairseq-fixed 0.12.3.1.
     """
     torch_optimizer.consolidate_state_dict = callback
+
+
+def forget_global_group() -> None:
+    """Drop fairseq's cached data-parallel process group (at exit, before the groups are destroyed).
+
+    Why: destroying a process group joins gloo's worker threads only when it drops the last
+    reference to it, and fairseq keeps one for the whole run: a gloo thread still running when
+    the interpreter tears down can abort the rank after training finished (see
+    ``bagua_integrations.distributed.comm.destroy_process_groups_at_exit``).
+
+    Private: ``fairseq.distributed.utils.get_global_group._global_group``, where fairseq caches the
+    group it makes with ``dist.new_group()`` (its data-parallel group without model parallelism).
+    Checked on fairseq-fixed 0.12.3.1.
+    """
+    import sys
+
+    utils = sys.modules.get("fairseq.distributed.utils")
+    getter = getattr(utils, "get_global_group", None)
+    if getter is not None and hasattr(getter, "_global_group"):
+        del getter._global_group

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -152,8 +151,6 @@ class Run:
     stderr: str
     save_dir: Optional[Path] = None
     records: List[dict] = field(default_factory=list)
-    # stderr of an attempt that died with the gloo abort and was relaunched (see RelaunchedRunWarning)
-    relaunched_after: Optional[str] = None
 
     @property
     def log(self) -> str:
@@ -167,8 +164,11 @@ class Run:
 
     def check(self) -> "Run":
         if self.returncode != 0:
+            race = (f"\nthe gloo exit abort ({_GLOO_ABORT!r}): a gloo thread still ran at the interpreter's "
+                    "teardown; see bagua_integrations.distributed.comm.destroy_process_groups_at_exit"
+                    if _GLOO_ABORT in self.stderr else "")
             raise AssertionError(
-                f"fairseq-train exited with {self.returncode}\ncommand: {' '.join(self.cmd)}\n"
+                f"fairseq-train exited with {self.returncode}{race}\ncommand: {' '.join(self.cmd)}\n"
                 f"--- stderr (tail) ---\n{self.stderr[-6000:]}"
             )
         return self
@@ -211,30 +211,20 @@ def _command(data, save_dir, args, model, nproc, workdir: Path) -> List[str]:
     return cmd + [str(a) for a in args]
 
 
-# A torchrun rank of a 2-process gloo run sometimes dies with this C++ abort. Cause (gdb on a core
-# dump): after training, while Python finalizes, a gloo worker thread destroys a finished collective
-# that held the last reference to a Python-backed tensor; taking the GIL during finalization ends the
-# thread and the unwind hits a noexcept frame (std::terminate). Plain torch reproduces it (4 of 20
-# torchrun runs of an all_reduce loop that exits normally). bagua_integrations now destroys the process
-# groups at exit (comm.destroy_process_groups_at_exit: 0 of 20), and async destroys its own group
-# (fairseq async under load: 4 of 21 before, 0 of 12 after); that destroy joins gloo's threads only
-# since torch's own reference to the default group (torch.distributed.nn.functional's defaults, bound
-# when building an optimizer after init imports it) is dropped first. A run without bagua's exit
-# handler (fairseq's own reference runs) still has torch's race. Such a run is
-# relaunched once (only that exact signature; wrong numbers still fail) -- loudly: every relaunch warns
-# with RelaunchedRunWarning, which pytest lists with the failed attempt's stderr, so it is counted.
+# A torchrun rank of a 2-process gloo run used to die with this C++ abort now and then, after
+# training (gdb on a core dump): while Python finalized, a gloo worker thread destroyed a finished
+# collective that held the last reference to a Python-backed tensor; taking the GIL during
+# finalization ended the thread and the unwind hit a noexcept frame (std::terminate). bagua's exit
+# handler (comm.destroy_process_groups_at_exit, which fairseq_plugin installs) now joins every gloo
+# thread before the teardown; the probe user dir records the threads left, and the distributed tests
+# assert there are none. Such an abort is a failure, named as such; it is not relaunched.
 _GLOO_ABORT = "terminate called without an active exception"
-_DONE_TRAINING = "done training in"  # fairseq_cli.train's last log line
-
-
-class RelaunchedRunWarning(UserWarning):
-    """A multi-process fairseq-train run died with the gloo abort and was relaunched once."""
 
 
 class _Started:
-    def __init__(self, cmd, save_dir, timeout, extra_env, workdir: Path, retried=False):
+    def __init__(self, cmd, save_dir, timeout, extra_env, workdir: Path):
         self.cmd, self.save_dir, self.timeout = cmd, save_dir, timeout
-        self.extra_env, self.retried, self.workdir = extra_env, retried, workdir
+        self.extra_env, self.workdir = extra_env, workdir
         run_env = env()
         run_env.update(extra_env or {})
         # files, not pipes: two runs side by side must never block on a full pipe
@@ -272,32 +262,9 @@ class _Started:
             out, err = self._read()
             run = Run(self.cmd, self.proc.returncode, out, err, self.save_dir)
             run.records = parse_records(run.log)
-            # relaunched only when training had finished before the abort (fairseq logs "done training"):
-            # an abort in the middle of training is a failure like any other
-            if (run.returncode != 0 and _GLOO_ABORT in err and "--master_port" in self.cmd and not self.retried
-                    and _DONE_TRAINING in out + err):
-                warnings.warn(
-                    RelaunchedRunWarning(
-                        f"a 2-rank fairseq-train run died with the gloo abort {_GLOO_ABORT!r} (exit code "
-                        f"{run.returncode}) and is relaunched once; please report it with this output.\n"
-                        f"command: {' '.join(self.cmd)}\n--- stderr of the failed attempt (tail) ---\n{err[-3000:]}"
-                    ),
-                    stacklevel=2,
-                )
-                again = self._relaunch().finish()
-                again.relaunched_after = err
-                return again
             return run
         finally:
-            if not self.retried:  # the first attempt owns the workdir (a relaunch reuses it)
-                shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def _relaunch(self) -> "_Started":
-        cmd = list(self.cmd)
-        cmd[cmd.index("--master_port") + 1] = str(free_port())
-        if self.save_dir is not None:
-            shutil.rmtree(self.save_dir, ignore_errors=True)  # no half-written checkpoint to resume from
-        return _Started(cmd, self.save_dir, self.timeout, self.extra_env, self.workdir, retried=True)
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def start_train(

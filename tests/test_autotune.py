@@ -175,3 +175,59 @@ def test_hierarchical_reduce_is_tuned_across_nodes():
     assert all(r[1] == seen for r in results), "ranks disagreed"
     assert done and seen[-1] is True
     assert all(r[3] for r in results), "the averages changed while switching hierarchy"
+
+
+_FRAME_PROBE = """
+import gc, sys, weakref
+from bagua_integrations.distributed import autotune
+
+class Held:  # stands for the training loop's model and process groups
+    pass
+
+def training_loop(load):
+    held = Held()
+    load()
+    return weakref.ref(held)
+
+ref = training_loop({load})
+gc.collect()
+print("kept" if ref() is not None else "freed", "optuna" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("load", ["autotune._import_optuna", "lambda: __import__('optuna')"],
+                         ids=["bagua", "plain import (the cause)"])
+def test_importing_optuna_keeps_nothing_of_the_training_loop(load):
+    """Importing Optuna keeps the tracebacks of its optional imports that fail, and with them the
+    importer's frames: a plain import from a training loop kept the loop's model and process
+    groups alive until the interpreter's teardown (gloo threads then run into it: the exit abort).
+    The autotuner imports it on a thread of its own. A fresh process: Optuna must not be imported yet."""
+    pytest.importorskip("optuna")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FRAME_PROBE.format(load=load)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    if load.startswith("lambda"):
+        if out[0] == "freed":
+            pytest.skip("this Optuna keeps no importer frames: the thread is no longer needed")
+        assert out == ["kept", "True"], out
+    else:
+        assert out == ["freed", "True"], out
+
+
+def test_autotuning_without_optuna_is_a_named_error(monkeypatch):
+    import importlib
+
+    from bagua_integrations.distributed import AlgorithmConfigError, autotune
+
+    real = importlib.import_module
+
+    def without_optuna(name, *args, **kwargs):
+        if name == "optuna":
+            raise ImportError("No module named 'optuna'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", without_optuna)
+    with pytest.raises(AlgorithmConfigError, match="needs Optuna on every rank"):
+        autotune._optuna_or_error(None)

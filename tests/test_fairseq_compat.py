@@ -216,3 +216,33 @@ def test_call_before_each_save_runs_from_fairseqs_consolidate_optimizer(compat, 
             )
             Trainer.consolidate_optimizer(trainer)
         assert calls == ["saved"], changed(name, what, f"callback calls {calls}")
+
+
+def _forget_global_group(rank, world):
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from fairseq.distributed import utils
+
+    from fairseq_plugin import _fairseq_compat
+
+    group = weakref.ref(utils.get_global_group())  # fairseq makes and caches it on first use
+    assert utils.get_global_group() is group(), "not cached"
+    _fairseq_compat.forget_global_group()
+    _fairseq_compat.forget_global_group()  # nothing cached: nothing to do
+    dist.destroy_process_group()
+    gc.collect()
+    return group() is None
+
+
+def test_forget_global_group_leaves_fairseq_no_reference_to_its_group(compat, private_api):
+    """After it, destroying the process groups drops fairseq's cached group for good (the last
+    reference: what lets the exit join its gloo threads)."""
+    from _dist_utils import run_ranks
+
+    name, what = "forget_global_group", "fairseq.distributed.utils.get_global_group's cache"
+    (result,) = run_ranks(_forget_global_group, 1, timeout=120)
+    with private_api(name, what):
+        assert result.ok, result.describe()
+    assert result.value is True, changed(name, what, "the group outlived the destroy")

@@ -10,6 +10,7 @@ between synchronisations and make them identical at each one.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Dict, List
 
@@ -66,6 +67,11 @@ def finish(started, probe: Path, first: int = 1):
         with open(path) as handle:
             ranks.append({r["update"]: r for r in map(json.loads, handle)})
     assert sorted(ranks[0]) == sorted(ranks[1]) == list(range(first, UPDATES + 1))
+    for rank in (0, 1):  # the exit race's cause: gloo threads running into the interpreter's teardown
+        threads = probe / f"threads{rank}.json"
+        if os.path.isdir("/proc/self/task"):  # Linux: the probe could read them
+            assert threads.exists(), f"rank {rank} did not run its exit handlers\n{run.stderr[-3000:]}"
+            assert json.loads(threads.read_text()) == [], f"rank {rank}: gloo threads left at teardown"
     return run, ranks
 
 

@@ -17,8 +17,10 @@ than the default by the study's own measure.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
+import threading
 import time
 from typing import Any, Dict, List, Sequence
 
@@ -63,14 +65,34 @@ def set_algorithm_settings(algorithm, **settings) -> bool:
     return layout_changed
 
 
+def _import_optuna():
+    """``optuna``, or None where it is not installed; imported on a thread of its own.
+
+    Why a thread: importing Optuna keeps the tracebacks of its optional imports that fail, and a
+    traceback's frames keep their callers' frames. Imported from inside a training loop, it would
+    keep that loop's frames (the trainer, the model, their process groups) alive until the
+    interpreter's teardown, and the exit could not join those groups' gloo threads (see
+    ``comm.destroy_process_groups_at_exit``; seen in fairseq-train with --bagua-autotune). A new
+    thread's stack holds nothing of the caller's.
+    """
+    found = {}
+
+    def load():
+        try:
+            found["optuna"] = importlib.import_module("optuna")
+        except ImportError:
+            pass
+
+    loader = threading.Thread(target=load, name="bagua-import-optuna")
+    loader.start()
+    loader.join()
+    return found.get("optuna")
+
+
 def _optuna_or_error(group):
     """Optuna on every rank, or the same named error on every rank (never a hang in the next collective)."""
-    try:
-        import optuna  # noqa: F401
-
-        have = 1.0
-    except ImportError:
-        optuna, have = None, 0.0
+    optuna = _import_optuna()
+    have = 0.0 if optuna is None else 1.0
     if comm.is_distributed(group):
         flag = torch.tensor([have], dtype=torch.float64, device=comm.small_tensor_device(group))
 
@@ -83,8 +105,6 @@ def _optuna_or_error(group):
         raise AlgorithmConfigError(
             "autotuning needs Optuna on every rank: pip install 'bagua-integrations[autotune]' (or optuna)"
         )
-    import optuna
-
     return optuna
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import time
 import warnings
@@ -551,9 +552,10 @@ def hierarchical(inner: Callable[[torch.Tensor, object], Stages], flat: torch.Te
 
 # ---------------------------------------------------------------------- leaving the process
 _destroy_registered = False
+_exit_releases: List[Callable[[], None]] = []
 
 
-def destroy_process_groups_at_exit() -> None:
+def destroy_process_groups_at_exit(release: Optional[Callable[[], None]] = None) -> None:
     """Destroy torch.distributed's process groups when the interpreter exits (registered once).
 
     Why: a race between gloo and Python's shutdown. A gloo worker thread that finishes a
@@ -565,25 +567,39 @@ def destroy_process_groups_at_exit() -> None:
     groups first, as torch itself advises, joins those threads while Python still runs: 0 of
     20. Handlers registered later (``async``'s exit abort) run before this one.
 
-    Destroying a group joins its threads only when that drops the last reference to it: this
-    module's records of groups are dropped first (:func:`release_group`), and so is the one torch
+    Destroying a group joins its threads only when that drops the last reference to it, so
+    first: this module's records of groups go (:func:`release_group`); so does the one torch
     keeps when ``torch.distributed.nn`` is imported after ``init_process_group``, which building
-    any torch optimizer does (``_torch_compat.drop_group_defaults_kept_by_torch``). Without the
-    latter, every script that builds its optimizer after initializing kept gloo's threads into the
-    teardown (seen: 1 ``async`` exit in ~60 aborted on torch 2.14.1, CI under load).
+    any torch optimizer does (``_torch_compat.drop_group_defaults_kept_by_torch``); and ``release``
+    callbacks drop others' (fairseq's cached group). After the destroy a garbage collection frees
+    groups held only by garbage cycles (a finished loop's model and its hooks). Without these,
+    the groups' gloo threads ran into the teardown in every 2-rank fairseq-train run and in a
+    script that builds its optimizer after initializing (seen: 1 ``async`` exit in ~60 aborted on
+    torch 2.14.1). A group the program itself still references at exit keeps its threads.
+
+    ``release``: called at exit before the destroy, to drop a reference to a group that code
+    outside this package keeps (fairseq's cached global group: ``fairseq_plugin``).
     """
     global _destroy_registered
+    if release is not None and release not in _exit_releases:
+        _exit_releases.append(release)
     if not _destroy_registered:
         atexit.register(_destroy_process_groups)
         _destroy_registered = True
 
 
 def _destroy_process_groups() -> None:
+    for release in _exit_releases:
+        try:
+            release()
+        except Exception as error:  # noqa: BLE001 - leaving anyway; the destroy still runs
+            warnings.warn(f"dropping a process group reference at exit failed: {error}", stacklevel=1)
     release_group(None)
     if dist.is_available() and dist.is_initialized():
         try:
             _torch_compat.drop_group_defaults_kept_by_torch(dist.group.WORLD)
             dist.destroy_process_group()
+            gc.collect()  # a group held only by garbage (a finished loop's model, fairseq's trainer) goes now
         except Exception as error:  # noqa: BLE001 - leaving anyway; say why the exit may be noisy
             warnings.warn(f"destroying the process groups at exit failed: {error}", stacklevel=1)
 

@@ -4,8 +4,11 @@
 wraps ``Trainer.train_step`` so that every rank appends, after each update, a digest of its
 model weights to ``$BAGUA_FAIRSEQ_PROBE_DIR/rank<R>.jsonl``. The multi-process tests compare
 the ranks' digests: equal where the algorithm synchronises, different where it trains locally.
+At exit each rank writes the gloo threads still running at the interpreter's teardown to
+``threads<R>.json`` (there must be none: see ``destroy_process_groups_at_exit``).
 """
 
+import atexit
 import hashlib
 import json
 import os
@@ -13,7 +16,27 @@ import os
 import torch
 from fairseq.trainer import Trainer
 
-import fairseq_plugin  # noqa: F401  (registers --optimizer bagua_fused)
+
+def _gloo_threads_at_teardown():
+    """Write the gloo threads still running when the interpreter's teardown begins (registered
+    before the plugin's exit handler, so it runs after it): the exit race's cause, if any."""
+    directory, rank = os.environ.get("BAGUA_FAIRSEQ_PROBE_DIR"), os.environ.get("RANK")
+    if not directory or rank is None or not os.path.isdir("/proc/self/task"):
+        return
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as handle:
+                names.append(handle.read().strip())
+        except OSError:
+            pass
+    with open(os.path.join(directory, f"threads{rank}.json"), "w") as handle:
+        json.dump(sorted(name for name in names if "gloo" in name), handle)
+
+
+atexit.register(_gloo_threads_at_teardown)
+
+import fairseq_plugin  # noqa: E402,F401  (registers --optimizer bagua_fused, and its exit handler)
 
 _original_train_step = Trainer.train_step
 
