@@ -48,7 +48,6 @@ def _train(rank, world, sleep_s=0.004, interval_ms=0, warmup=2, watch=False, fus
     wrapped, _ = bagua_init(model, optimizer, "async", sync_interval_ms=interval_ms, warmup_steps=warmup, timeout=30)
     algorithm = wrapped.algorithm
     changed_inside_a_step = []
-    spread_during = None
     for step in range(STEPS):
         x = _data(rank, step)
         before = [p.detach().clone() for p in model.parameters()]

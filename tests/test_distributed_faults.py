@@ -10,7 +10,7 @@ import torch
 from _dist_models import MLP, global_batches, loss_fn, shard
 from _dist_utils import run_ranks, run_scenarios, scenario_value
 from bagua_integrations import fuse_optimizer
-from bagua_integrations.distributed import CommunicationError, ModelMismatchError, ModelSwitchWrapper, bagua_init
+from bagua_integrations.distributed import ModelSwitchWrapper, bagua_init
 
 WORLD = 2
 TIMEOUT = 3.0  # seconds bagua_init waits for a peer
