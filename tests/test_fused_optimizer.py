@@ -766,3 +766,22 @@ def test_state_made_in_init_seeds_the_probe_in_the_probe_tensors_dtype():
         assert state["sum"].dtype == torch.float32 and state["sum"].shape == probe_param.shape
         assert torch.all(state["sum"] == torch.tensor(0.1).bfloat16().float())  # a constant stays that constant
         assert state["mask"].dtype == torch.int32 and state["step"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_fused_optimizer_and_its_model_are_freed_once_the_program_drops_them(compile):
+    """The flat buffers hold every parameter, gradient and state value: the gradient hooks that keep
+    them filled must not make a cycle the garbage collector cannot see (autograd keeps hooks outside
+    its view), or each model a program builds stays in memory with them."""
+    import gc
+    import weakref
+
+    def build_and_train():
+        model = TinyNet()
+        optimizer = fuse_optimizer(BertAdam(model.parameters(), lr=1e-3), compile=compile)
+        train(model, optimizer, batches(2))
+        return [weakref.ref(o) for o in (model, optimizer, next(model.parameters()))]
+
+    refs = build_and_train()
+    gc.collect()
+    assert [ref() is not None for ref in refs] == [False, False, False]
