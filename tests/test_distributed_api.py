@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from _dist_models import MLP, Branchy, global_batches, loss_fn
-from _dist_utils import run_ranks
 from bagua_integrations import fuse_optimizer
 from bagua_integrations._flat import pack_tensors
 from bagua_integrations.distributed import (
@@ -359,38 +358,3 @@ def test_an_interrupted_backward_is_refused_afterwards():
     handle.remove()
     with pytest.raises(ReducerStateError, match="interrupted"):
         reducer.before_step()
-
-
-# ---------------------------------------------------------------------- nothing kept once dropped
-def _freed_once_dropped(rank, world, algorithm):
-    import gc
-    import weakref
-
-    import torch.distributed as dist
-
-    from bagua_integrations import bagua_init
-
-    def build_and_train():
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        wrapped, _ = bagua_init(model, optimizer, algorithm, process_group=dist.new_group())
-        for step in range(3):
-            optimizer.zero_grad()
-            wrapped(torch.full((2, 4), float(rank + step))).sum().backward()
-            optimizer.step()
-        return [weakref.ref(o) for o in (model, wrapped, optimizer)]
-
-    refs = build_and_train()
-    gc.collect()
-    return [ref() is not None for ref in refs]
-
-
-@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad", "decentralized", "async"])
-def test_a_model_and_its_optimizer_are_freed_once_the_program_drops_them(algorithm):
-    """Each parameter's gradient hook held the reducer, which holds the parameter: a cycle through
-    autograd's hook storage that Python's garbage collector cannot see. Every model a program built
-    (one per trial of a hyperparameter search) stayed in memory with its optimizer state, and its
-    process group's gloo threads ran into the interpreter's teardown."""
-    for result in run_ranks(_freed_once_dropped, 2, (algorithm,), timeout=120):
-        assert result.ok, result.describe()
-        assert result.value == [False, False, False], f"still alive (model, wrapper, optimizer): {result.value}"
