@@ -23,6 +23,21 @@ import torch
 import torch.multiprocessing as mp
 
 
+def gloo_threads() -> List[str]:
+    """Names of this process's threads that belong to gloo, sorted (Linux: /proc; torch names them).
+
+    What the exit tests read at the start of the interpreter's teardown: a gloo thread still running
+    then is the cause of the exit abort (see ``destroy_process_groups_at_exit``)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as handle:
+                names.append(handle.read().strip())
+        except OSError:
+            pass
+    return sorted(name for name in names if "gloo" in name)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

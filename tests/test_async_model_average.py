@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from _dist_utils import run_ranks, values
+from _dist_utils import gloo_threads, run_ranks, values
 from bagua_integrations import _torch_compat
 
 LR, STEPS, DIM = 0.1, 30, 64
@@ -306,20 +306,6 @@ def _exit_warnings(log_dir, rank):
     return open(path).read() if os.path.exists(path) else ""
 
 
-def _gloo_threads():
-    """Names of this process's threads that belong to gloo (Linux; torch names them)."""
-    import os
-
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as handle:
-                names.append(handle.read().strip())
-        except OSError:
-            pass
-    return sorted(name for name in names if "gloo" in name)
-
-
 def _threads_left_at_exit(rank, world, log_dir, algorithm):
     """Train, then leave as a script does; the last exit handler (registered first) writes which
     gloo threads still run when the interpreter's teardown begins."""
@@ -333,7 +319,7 @@ def _threads_left_at_exit(rank, world, log_dir, algorithm):
 
     def record_at_exit():
         with open(os.path.join(log_dir, f"threads{rank}.json"), "w") as handle:
-            json.dump({"before": before, "at_teardown": _gloo_threads()}, handle)
+            json.dump({"before": before, "at_teardown": gloo_threads()}, handle)
 
     atexit.register(record_at_exit)
     model = Linear()
@@ -345,7 +331,7 @@ def _threads_left_at_exit(rank, world, log_dir, algorithm):
         optimizer.zero_grad()
         wrapped(_data(rank, step)).backward()
         optimizer.step()
-    before = _gloo_threads()
+    before = gloo_threads()
     return len(before)
 
 
@@ -380,15 +366,15 @@ def _switch_away_from_async(rank, world):
 
     model = Linear()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    world_only = _gloo_threads()
+    world_only = gloo_threads()
     wrapper = ModelSwitchWrapper(model, optimizer).switch_to("async", sync_interval_ms=0, warmup_steps=1)
     for step in range(12):
         optimizer.zero_grad()
         wrapper(_data(rank, step)).backward()
         optimizer.step()
-    with_async = _gloo_threads()
+    with_async = gloo_threads()
     wrapper.switch_to("gradient_allreduce")
-    return {"world": world_only, "async": with_async, "after": _gloo_threads()}
+    return {"world": world_only, "async": with_async, "after": gloo_threads()}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from Linux's /proc")
