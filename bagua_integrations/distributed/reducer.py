@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Iterable, List, Sequence
 
 import torch
@@ -19,6 +20,32 @@ __all__ = ["Reducer"]
 def _max_flags(flags: torch.Tensor, group) -> comm.Stages:
     if comm.is_distributed(group):
         yield comm.all_reduce(flags, group, op=torch.distributed.ReduceOp.MAX)
+
+
+def _weak_method(method):
+    """``method`` as a hook that does not keep its object alive.
+
+    Why: a parameter keeps its hooks where Python's garbage collector cannot see them, so a
+    hook holding the reducer made a cycle (parameter -> hook -> reducer -> parameter) that is
+    never collected: the model, its optimizer and its process group lived until the process
+    ended (every model a program built, one per trial of a hyperparameter search), and at exit
+    that group's gloo threads ran into the interpreter's teardown. Whoever uses the reducer
+    keeps it (``bagua_init``'s wrapper does); a reducer that is dropped removes its hooks, as a
+    dropped ``DistributedDataParallel`` does.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return hook
+
+
+def _remove_handles(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class Reducer:
@@ -99,7 +126,8 @@ class Reducer:
         self.join_state = None  # under Join: who still has data this iteration (set at forward)
         self.rounds = 0  # completed reductions
         self.launched_during_backward = 0  # buckets launched from hooks in the last round (overlap)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_method(self._on_grad)) for p in self.params]
+        weakref.finalize(self, _remove_handles, self._hooks).atexit = False  # a dropped reducer stops averaging
         self._reset()
 
     # ------------------------------------------------------------------ description
