@@ -144,6 +144,10 @@ class FlatBuffer:
             flat.set_(first.untyped_storage(), first.storage_offset(), (self.numel,))
             return flat
         flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu" and all(slot.param.is_pinned() for slot in self.slots):
+            # pinned host memory (FSDP2's CPUOffloadPolicy(pin_memory=True) shards, which it copies to
+            # the accelerator before every all-gather): keep the copies asynchronous
+            flat = flat.pin_memory()
         with torch.no_grad():
             for slot in self.slots:
                 flat[slot.start : slot.end].copy_(slot.param.detach().reshape(-1))

@@ -108,11 +108,6 @@ class ShardedFusion:
                 f"a DTensor parameter of shape {tuple(missing[0].shape)} is not sharded by FSDP2's fully_shard "
                 "(tensor parallelism?); fuse_optimizer supports FSDP2 shards only. Use the optimizer unfused here"
             )
-        if any(compat.fsdp2_offloads(fsdp[id(p)]) for p in params):
-            raise ShardedParameterError(
-                "FSDP2 offloads these parameters to the CPU (CPUOffloadPolicy); fuse_optimizer keeps shards where "
-                "FSDP2 all-gathers them from and does not support offloading: use the optimizer unfused"
-            )
         self.params = params
         self.fsdp_params = [fsdp[id(p)] for p in params]
         self.stand_ins = [_stand_in(p, fp) for p, fp in zip(params, self.fsdp_params)]

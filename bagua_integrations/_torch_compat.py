@@ -561,10 +561,6 @@ def fsdp2_padded_numel(fsdp_param) -> int:
     return fsdp_param._sharded_param_data.numel()
 
 
-def fsdp2_offloads(fsdp_param) -> bool:
-    return bool(getattr(fsdp_param, "offload_to_cpu", False))
-
-
 def local_shard(tensor) -> torch.Tensor:
     """A DTensor's local tensor itself (not a differentiable view of it: ``to_local()`` makes one
     under grad mode)."""

@@ -42,8 +42,7 @@ class LayoutChangedError(FusionError):
 
 class ShardedParameterError(FusionError, TypeError):
     """DTensor parameters that a fused optimizer cannot hold: not sharded by FSDP2 (tensor
-    parallelism), mixed with plain parameters in one optimizer, offloaded to the CPU by FSDP2, or
-    param groups added after fusing. FSDP2's shards themselves fuse (``fuse_optimizer`` docs)."""
+    parallelism), mixed with plain parameters in one optimizer, or param groups added after fusing. FSDP2's shards themselves fuse (``fuse_optimizer`` docs)."""
 
 
 class SharedParameterError(FusionError, ValueError):
