@@ -22,6 +22,7 @@ from ``fuse_optimizer`` on DTensors) is reported as n/a and the other rows go on
     python benchmarks/bench_fsdp2_step.py --model tiny --steps 3       # a quick smoke run
     python benchmarks/bench_fsdp2_step.py --rows adamw-fused,bertadam,bertadam-bagua,floor
     python benchmarks/bench_fsdp2_step.py --device cuda --world-size 1     # a GPU, NCCL (one rank per GPU)
+    python benchmarks/bench_fsdp2_step.py --device cuda --world-size 1 --offload   # FSDP2's CPU offloading
 
 On CUDA (NCCL, rank r on GPU r) each step is timed with CUDA events, and "host ms" is the time the
 Python call takes to issue the step without waiting for the GPU: the DTensor dispatch and launch
@@ -157,9 +158,14 @@ def worker(rank, world, port, args, out_dir):
     torch.manual_seed(0)  # the same full model on every rank before sharding
     model = BertModel(BertConfig(**MODELS[args.model])).to(args.device)
     mesh = init_device_mesh(args.device, (world,))
+    options = {}
+    if args.offload:  # shards, gradients and state in host memory: every row's step runs on the CPU
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=cuda)
     for layer in model.encoder.layer:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
     gen = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen).to(args.device)
     results = {}
@@ -244,7 +250,8 @@ def hardware_line(args):
     gpu = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}); host " if args.device == "cuda" else ""
     backend = "nccl" if args.device == "cuda" else "gloo"
     return (f"{gpu}{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}; "
-            f"world size {args.world_size} ({backend}), {args.threads} torch thread(s) per rank, model {args.model}{load}")
+            f"world size {args.world_size} ({backend}), {args.threads} torch thread(s) per rank, model {args.model}"
+            f"{', CPU offloading (the step runs on the host)' if args.offload else ''}{load}")
 
 
 def main(argv=None):
@@ -260,6 +267,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write every rank's results here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: NCCL, rank r on GPU r (needs --world-size <= the GPUs), CUDA-event timing")
+    parser.add_argument("--offload", action="store_true",
+                        help="FSDP2's CPUOffloadPolicy (pinned on cuda): the optimizer step runs on the host")
     args = parser.parse_args(argv)
     if args.device == "cuda" and args.world_size > torch.cuda.device_count():
         parser.error(f"--device cuda: {args.world_size} ranks need as many GPUs (NCCL: one rank per GPU), "

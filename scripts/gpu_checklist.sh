@@ -10,7 +10,7 @@
 #                                              # one NCCL rank (device and host time), then bf16 in the time left
 #
 # Smaller pieces, when a part needs its whole time budget:
-#   tests-cuda | tests-suite | bench-fp32 | bench-bf16 | codec | fsdp2
+#   tests-cuda | tests-suite | bench-fp32 | bench-bf16 | codec | fsdp2 | fsdp2-offload
 #   host: segmented CUDA tests, then the step's host overhead (--model tiny) and BERT-base (~5 min)
 #   profile: tests/test_cuda.py, then where the host time of a step goes (benchmarks/profile_step_host.py,
 #            201 tiny tensors), then the step benchmark's host rows on BERT-base; ~7.5 min
@@ -131,6 +131,15 @@ fsdp2() {
         --timeout $((limit - 15)) --json "$OUT/fsdp2.json"
 }
 
+# FSDP2's CPU offloading: shards, gradients and state in pinned host memory, the step on the CPU
+fsdp2_offload() {
+    local limit=$1
+    [ "$(left)" -lt "$limit" ] && limit=$(left)
+    run_logged "$limit" "$OUT/fsdp2_offload.log" $PY benchmarks/bench_fsdp2_step.py --device cuda --world-size 1 \
+        --offload --steps 10 --rows adamw-fused,adamw-bagua,bertadam,bertadam-bagua,lamb,lamb-bagua \
+        --timeout $((limit - 15)) --json "$OUT/fsdp2_offload.json"
+}
+
 # the rows of a lent session's fp32 run: every fused optimizer beside its strongest peers and its traffic floor
 # (torch.compile(BertAdam.step) is left out: tracing its 201 per-tensor steps takes minutes of the lease)
 LENT_ROWS="BertAdam fused (segmented),LAMB per-tensor,LAMB fused (segmented),pytorch-optimizer Lamb,\
@@ -147,6 +156,7 @@ case "${1:-}" in
     bench-bf16) environment; bench bf16 "$PART_BUDGET" ;;
     codec) environment; codec "$PART_BUDGET" ;;
     fsdp2) environment; fsdp2 "$PART_BUDGET" ;;
+    fsdp2-offload) environment; fsdp2_offload "$PART_BUDGET" ;;
     host) environment  # the fused step's host overhead (201 tiny tensors) and BERT-base, after an overhead change
         run_logged 200 "$OUT/tests_segmented.log" $PY -m pytest -q -rs $(timeout_args) tests/test_cuda.py -k "compiled or (fp32 and (clipped or Lamb))"
         for model in tiny bert-base; do
@@ -165,7 +175,7 @@ case "${1:-}" in
                 --out-dir "$OUT/recipe_$precision"
         done ;;
     lent) environment; bench fp32 270 "$LENT_ROWS"; codec 70; fsdp2 120; bench bf16 "$(left)" "$LENT_BF16_ROWS" ;;
-    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|profile|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2}" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|profile|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2|fsdp2-offload}" >&2; exit 2 ;;
 esac
 echo "# part '${1}' done in $((SECONDS - START)) s, status $STATUS; logs in $OUT"
 exit $STATUS
