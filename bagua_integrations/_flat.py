@@ -85,6 +85,12 @@ class Slot:
         self.branch = 0
 
 
+def _pinned(device: torch.device, tensors: List[torch.Tensor]) -> bool:
+    """All of ``tensors`` are in pinned host memory. (Only asked once CUDA is initialized, as it
+    must be for a tensor to be pinned: ``is_pinned`` may otherwise start a CUDA context.)"""
+    return device.type == "cpu" and torch.cuda.is_initialized() and all(t.is_pinned() for t in tensors)
+
+
 class FlatBuffer:
     """Contiguous parameter / gradient / state storage for one (group, device, dtype)."""
 
@@ -144,7 +150,7 @@ class FlatBuffer:
             flat.set_(first.untyped_storage(), first.storage_offset(), (self.numel,))
             return flat
         flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu" and all(slot.param.is_pinned() for slot in self.slots):
+        if _pinned(self.device, [slot.param for slot in self.slots]):
             # pinned host memory (FSDP2's CPUOffloadPolicy(pin_memory=True) shards, which it copies to
             # the accelerator before every all-gather): keep the copies asynchronous
             flat = flat.pin_memory()

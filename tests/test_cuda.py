@@ -417,3 +417,50 @@ def test_one_rank_over_nccl():
     (result,) = values(run_ranks(nccl_one_rank, 1, (free_port(),), timeout=120, pg_timeout=60))
     assert result["backend"] == "nccl" and result["probe"] == [0.0, 1.0, 2.0, 3.0], result
     assert result["error"] <= 1e-6 and result["moved"] > 0, result
+
+
+def fsdp2_offload_one_rank(rank, world, port, name):
+    """One NCCL rank, FSDP2 with CPUOffloadPolicy (pinned): shards, gradients and state in host memory,
+    copied to the GPU before each all-gather; the fused step (on the host) against the unfused one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    dist.destroy_process_group()
+    dev = _device()
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(dev)
+            for module in (model[0], model[2], model):
+                fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))
+            models.append(model)
+        make = {"adamw": lambda ps: O.AdamW(ps, lr=1e-2, weight_decay=0.1), "lamb": lambda ps: Lamb(ps, lr=1e-2)}[name]
+        fused = fuse_optimizer(make(models[0].parameters()), replace_step=True)
+        plain = make(models[1].parameters())
+        for step in range(6):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step)).to(dev)
+            for model, opt in zip(models, (fused, plain)):
+                model(x).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        torch.cuda.synchronize()
+        locals_ = [p.to_local() for p in models[0].parameters()]
+        error = max(float((a.full_tensor() - b.full_tensor()).abs().max()) for a, b in
+                    zip(models[0].parameters(), models[1].parameters()))
+        return {"error": error, "devices": sorted({str(t.device) for t in locals_}),
+                "pinned": all(t.is_pinned() for t in locals_), "fused": fusion_report(fused).last_step_fused}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not dist.is_nccl_available(), reason="NCCL needs CUDA and an NCCL build of torch")
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_fsdp2_cpu_offload_over_nccl(name):
+    (result,) = values(run_ranks(fsdp2_offload_one_rank, 1, (free_port(), name), timeout=120, pg_timeout=60))
+    assert result["devices"] == ["cpu"] and result["fused"], result
+    assert result["pinned"], f"the fused flat buffer is not pinned: FSDP2's copies to the GPU are synchronous ({result})"
+    assert result["error"] <= 1e-5, result  # (the compiled step may fuse multiply-adds)
