@@ -74,15 +74,20 @@ def make_optimizer(row, params):
     return fuse_optimizer(opt, replace_step=True) if fused == "bagua" else opt
 
 
-def floor_steps(params):
-    """Step functions of an Adam-like pass over flat copies of this rank's local shards (plain tensors):
-    reads p, g, m, v and writes p, m, v, eager and torch.compile'd (one kernel)."""
+def _flat_copies(params):
+    """Flat copies of this rank's local shards and their gradients (plain tensors), zero moments, and a
+    learning rate as a tensor (an input of the compiled floors: nothing to constant-fold)."""
     local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in params]
     grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for p in params]
     p = torch.cat([t.reshape(-1) for t in local])
     g = torch.cat([t.reshape(-1) for t in grads])
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
-    lr = torch.tensor(1e-4, device=p.device)  # an input: nothing to constant-fold
+    return p, g, torch.zeros_like(p), torch.zeros_like(p), torch.tensor(1e-4, device=p.device)
+
+
+def floor_steps(params):
+    """Step functions of an Adam-like pass over flat copies of this rank's local shards (plain tensors):
+    reads p, g, m, v and writes p, m, v, eager and torch.compile'd (one kernel)."""
+    p, g, m, v, lr = _flat_copies(params)
 
     def adam(p, g, m, v, lr):
         m.mul_(0.9).add_(g, alpha=0.1)
@@ -97,12 +102,7 @@ def lamb_floor_step(params):
     """LAMB's own memory traffic, compiled, over flat copies of this rank's local shards: the update and
     its norm in one pass (reads p, g, m, v; writes m, v), the trust-ratio step in a second (the norms are
     one over the whole buffer here: the same traffic as one per parameter, without a collective)."""
-    local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in params]
-    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for p in params]
-    p = torch.cat([t.reshape(-1) for t in local])
-    g = torch.cat([t.reshape(-1) for t in grads])
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
-    lr = torch.tensor(1e-4, device=p.device)
+    p, g, m, v, lr = _flat_copies(params)
 
     def lamb(p, g, m, v, lr):
         m.mul_(0.9).add_(g, alpha=0.1)
@@ -119,12 +119,7 @@ def bertadam_floor_step(params):
     this rank's local shards: the gradient's norm in one pass (reads g), then the clipped gradient written
     back and the Adam update (reads p, g, m, v; writes p, g, m, v). The clip bound is an input so large
     that the gradient keeps its values from step to step; the traffic is the same."""
-    local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in params]
-    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for p in params]
-    p = torch.cat([t.reshape(-1) for t in local])
-    g = torch.cat([t.reshape(-1) for t in grads])
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
-    lr = torch.tensor(1e-4, device=p.device)
+    p, g, m, v, lr = _flat_copies(params)
     bound = torch.tensor(1e30, device=p.device)
 
     def bertadam(p, g, m, v, lr, bound):
