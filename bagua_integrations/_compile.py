@@ -22,6 +22,7 @@ Three details make this work for *any* elementwise optimizer:
 
 from __future__ import annotations
 
+import functools
 import time
 import types
 import warnings
@@ -40,9 +41,11 @@ from ._torch_compat import (
     floats_used_directly,
     forget_float_specializations,
     inductor_backend,
+    inductor_with_post_grad_pass,
     ints_symbolic_from_the_first_graph,
     math_pow_kept_symbolic,
 )
+from ._batched_combines import post_grad_pass
 from ._foreach import element_calls, in_place, is_python_number
 from ._late_reductions import LateReduction, find_late_reduction, graph_findings
 from ._scalar_prologue import with_scalar_prologue
@@ -251,6 +254,12 @@ def _step_with_scalars_as_operands(optimizer, raw_step, mode=None, floats=()):
     return kept
 
 
+@functools.lru_cache(maxsize=None)
+def _batch_combines_pass():
+    """One instance of the post-grad pass that batches the all-reduces of a step over shards."""
+    return post_grad_pass()
+
+
 def _describe(exc: BaseException) -> str:
     """``Type: first line`` of the innermost cause (Dynamo wraps backend errors)."""
     *_, exc = exception_chain(exc, implicit=False)
@@ -292,7 +301,8 @@ class CompiledStep:
         for what, groups in graph_findings(graph_module, self.watched):
             raise LateReduction(groups, what)
         self.graphs += 1
-        return with_scalar_prologue(inductor_backend(), graph_module, example_inputs)
+        compile_graph = inductor_with_post_grad_pass(inductor_backend(), _batch_combines_pass())
+        return with_scalar_prologue(compile_graph, graph_module, example_inputs)
 
     @staticmethod
     def eligible(optimizer) -> bool:

@@ -12,7 +12,8 @@ whose parameters are plain tensors standing in for this rank's shards, fused as 
 * **whole-parameter reductions across ranks**: a LAMB trust ratio or BertAdam's per-parameter
   clipping needs the norm of a whole parameter. Each rank computes every segment's partial
   value, and one all-reduce per reduction combines those of all parameters of a run
-  (``_segmented.segment_combine``); a reduction that has no such partial form, or one over all
+  (``_segmented.segment_combine``; a compiled step sends its independent ones together,
+  ``_batched_combines``); a reduction that has no such partial form, or one over all
   of a group's parameters, keeps the optimizer's own DTensor step (decided by the probes, up front);
 * **first steps**: an optimizer creates its state lazily, in its first step. That step runs on the
   flat runs where the probes found it exact there (elementwise groups; segmented ones checked with

@@ -36,6 +36,7 @@ __all__ = [
     "queue_end_of_backward",
     "inductor_backend",
     "inductor_reads_thresholds_raised",
+    "inductor_with_post_grad_pass",
     "cpu_kernels_truncate_float_min_max",
     "mark_placeholder_without_source",
     "compiled_kernels_may_fuse_multiply_add",
@@ -194,6 +195,22 @@ def inductor_backend() -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx
+
+
+def inductor_with_post_grad_pass(compile_graph: Callable, graph_pass) -> Callable:
+    """``compile_graph`` (``compile_fx``, possibly called with ``config_patches=``) that runs
+    ``graph_pass`` as Inductor's ``post_grad_custom_pre_pass`` on the functional graph. Unchanged
+    when ``graph_pass`` is None or the user set a pass of their own (which is kept)."""
+    from torch._inductor import config
+
+    if graph_pass is None or getattr(config, "post_grad_custom_pre_pass", None) is not None:
+        return compile_graph
+
+    def compile_with_pass(gm, example_inputs, config_patches=None):
+        patches = dict(config_patches or {}, post_grad_custom_pre_pass=graph_pass)
+        return compile_graph(gm, example_inputs, config_patches=patches)
+
+    return compile_with_pass
 
 
 def inductor_reads_thresholds_raised(extra_reads: int) -> dict:

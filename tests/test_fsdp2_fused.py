@@ -200,6 +200,25 @@ def _norms_of_local_shards_only(rank, world, name):
         dist.all_reduce = real
 
 
+def _collectives_per_compiled_step(rank, world, name):
+    """All-reduces a compiled step over shards makes, counted over 3 steps after the first ones."""
+    import torch.distributed as dist
+
+    from bagua_integrations import fuse_optimizer, fusion_report
+
+    model = _model(world)
+    opt = fuse_optimizer(_make(name, model.parameters()), replace_step=True, compile=True)
+    _train(model, opt, 3, rank)
+    real, calls = dist.all_reduce, []
+    dist.all_reduce = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    try:
+        _train(model, opt, 3, rank, start=3)
+    finally:
+        dist.all_reduce = real
+    report = fusion_report(opt)
+    return len(calls) / 3, report.compiled, report.flat_runs
+
+
 def _state_dict_into_unfused(rank, world):
     """The fused optimizer's state_dict() loads into the unfused optimizer, which then trains on as the fused one."""
     from bagua_integrations import fuse_optimizer
@@ -328,6 +347,7 @@ SCENARIOS = {
     **{f"broken-{name}": functools.partial(_norms_of_local_shards_only, name=name)
        for name in ("bertadam", "lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS")},
     "state-dict-into-unfused": _state_dict_into_unfused,
+    **{f"collectives-{name}": functools.partial(_collectives_per_compiled_step, name=name) for name in ("bertadam", "lamb")},
     **{f"verify-{name}": functools.partial(_verified, name=name) for name in ("adamw", "bertadam", "lamb")},
     "verify-broken-lamb": functools.partial(_verified, name="lamb", broken=True),
     **{f"big-batch-{name}": functools.partial(_fused_vs_big_batch, name=name)
@@ -339,7 +359,7 @@ SCENARIOS = {
     **{f"dcp-{name}": functools.partial(_dcp_resume, name=name) for name in ("adamw", "bertadam", "lamb")},
 }
 ON_FOUR_RANKS = ["fused-adamw", "fused-bertadam", "fused-lamb", "broken-lamb", "big-batch-pytorch_optimizer.Lamb",
-                 "hsdp-bertadam"]
+                 "hsdp-bertadam", "compiled-lamb"]
 
 
 def _scenarios(rank, world, names):
@@ -374,12 +394,16 @@ def test_fused_step_on_shards_equals_unfused(world, name):
 
 
 @pytest.mark.parametrize("name", ["adamw", "lamb"])
-def test_compiled_fused_step_on_shards_equals_unfused(name):
+@pytest.mark.parametrize("world", [2, 4])
+def test_compiled_fused_step_on_shards_equals_unfused(name, world):
+    """(On 4 ranks: LAMB, whose norms of both runs travel in one all-reduce.)"""
     from bagua_integrations._compile import compile_unavailable_reason
 
     if compile_unavailable_reason("segmented" if name == "lamb" else "elementwise") is not None:
         pytest.skip("this torch does not compile fused steps")
-    for worst, _, fused, compiled in _value(2, f"compiled-{name}"):
+    if world == 4 and f"compiled-{name}" not in ON_FOUR_RANKS:
+        pytest.skip("covered on 2 ranks")
+    for worst, _, fused, compiled in _value(world, f"compiled-{name}"):
         assert fused and compiled
         assert worst < 2e-5, f"{name} compiled: relative difference {worst:.2e} (beyond FMA rounding)"
 
@@ -393,6 +417,20 @@ def test_norms_of_the_local_shard_only_would_be_caught(world, name):
         pytest.skip("covered on 2 ranks")
     for worst, *_ in _value(world, f"broken-{name}"):
         assert worst > 1e-3, f"{name} with local norms only differs by {worst:.2e}: the test could not fail"
+
+
+@pytest.mark.parametrize("name", ["bertadam", "lamb"])
+def test_one_all_reduce_per_compiled_step_for_all_reductions(name):
+    """The norms of every run are combined across ranks by one all-reduce per step, not one per
+    reduction and run (LAMB: two norms x the runs of matrices and of vectors)."""
+    from bagua_integrations._batched_combines import post_grad_pass
+    from bagua_integrations._compile import compile_unavailable_reason
+
+    if compile_unavailable_reason() is not None or post_grad_pass() is None:
+        pytest.skip("the compiled step (and Inductor's CustomGraphPass) is needed")
+    for per_step, compiled, runs in _value(2, f"collectives-{name}"):
+        assert compiled and runs == 2, (compiled, runs)
+        assert per_step == 1, f"{per_step} all-reduces per step"
 
 
 def test_fused_state_dict_loads_into_the_unfused_optimizer():

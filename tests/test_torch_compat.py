@@ -208,6 +208,50 @@ def test_inductor_reads_thresholds_raised_patches_compile_fx(private_api):
             assert config.realize_reads_threshold == patches["realize_reads_threshold"]
 
 
+def test_inductor_with_post_grad_pass_runs_the_pass_and_keeps_a_users_own(private_api):
+    """Our pass runs on the functional graph Inductor compiles (``post_grad_custom_pre_pass``, through
+    ``config_patches``, merged with those a caller passes); a pass the user set is left in place."""
+    from bagua_integrations._batched_combines import post_grad_pass
+    from bagua_integrations._compile import compiler_available
+
+    name = "inductor_with_post_grad_pass"
+    if post_grad_pass() is None:
+        pytest.skip("this torch has no CustomGraphPass")
+    if not compiler_available():
+        pytest.skip("no working compiler")
+    with private_api(name):
+        from torch._inductor import config
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        seen, patches_seen = [], []
+
+        class Count(CustomGraphPass):
+            def __call__(self, graph):
+                seen.append(sum(1 for n in graph.nodes if n.op == "call_function"))
+
+            def uuid(self):
+                return "bagua-test-count-pass"
+
+        def backend(gm, example_inputs):
+            def compile_fx(gm, example_inputs, config_patches=None):
+                patches_seen.append(dict(config_patches))
+                return compat.inductor_backend()(gm, example_inputs, config_patches=config_patches)
+            compile_graph = compat.inductor_with_post_grad_pass(compile_fx, Count())
+            return compile_graph(gm, example_inputs, config_patches={"realize_reads_threshold": 4})
+
+        torch._dynamo.reset()
+        with config.patch({"fx_graph_cache": False}):  # a cached graph skips the passes
+            out = torch.compile(lambda x: (x * 2 + 1).sin(), backend=backend)(torch.arange(4.0))
+        assert torch.allclose(out, (torch.arange(4.0) * 2 + 1).sin())
+        assert seen and seen[0] > 0, changed(name, "the post-grad pass did not run")
+        assert patches_seen[0]["realize_reads_threshold"] == 4, changed(name, str(patches_seen))
+        plain = object()
+        with config.patch({"post_grad_custom_pre_pass": Count()}):
+            assert compat.inductor_with_post_grad_pass(plain, Count()) is plain  # the user's pass stays
+        assert compat.inductor_with_post_grad_pass(plain, None) is plain
+        torch._dynamo.reset()
+
+
 def test_mark_placeholder_without_source_lets_a_backend_add_several_inputs(private_api):
     """Two hoisted scalars are two inputs our backend adds to a Dynamo graph; AOTAutograd checks
     every placeholder's source (torch 2.5.1 refused a second ``None`` one)."""
@@ -483,7 +527,7 @@ TESTED = {
     "step_keeping_lr_scheduler_marker", "mark_step_taken", "tensor_version", "tensor_versions", "register_state_dict_post_hook",
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
     "compiled_steps_unsupported", "floats_used_directly", "floats_need_a_direct_use", "cpu_kernels_truncate_float_min_max",
-    "compiled_kernels_may_fuse_multiply_add", "ints_symbolic_from_the_first_graph",
+    "compiled_kernels_may_fuse_multiply_add", "ints_symbolic_from_the_first_graph", "inductor_with_post_grad_pass",
 }
 
 
