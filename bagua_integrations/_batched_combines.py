@@ -18,6 +18,7 @@ functionalization places them: a re-ordered graph then still reads each input be
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import operator
@@ -25,7 +26,7 @@ from typing import Dict, List
 
 import torch
 
-from ._segmented import _BY_KEY, _NEUTRAL, _REDUCE_OPS, _SEGMENT_REDUCE
+from ._segmented import _BY_KEY, _REDUCE_OPS, segment_values
 
 __all__ = ["segment_combine_many", "batch_combines"]
 
@@ -36,11 +37,7 @@ def segment_combine_many(partials: List[torch.Tensor], keys: str, hows: str) -> 
     comma-separated: an operator takes no list of strings), all segmentations sharded over one
     process group: one all-reduce per reduce operation and dtype for all of them."""
     keys, hows = keys.split(","), hows.split(",")
-    values = []
-    for part, key, how in zip(partials, keys, hows):
-        seg = _BY_KEY[key]
-        values.append(torch.segment_reduce(part, _SEGMENT_REDUCE[how], lengths=seg.block_counts,
-                                           initial=_NEUTRAL[how], unsafe=True))
+    values = [segment_values(part, _BY_KEY[key], how) for part, key, how in zip(partials, keys, hows)]
     group = _BY_KEY[keys[0]].shard_group
     if group is not None:
         import torch.distributed as dist
@@ -96,6 +93,7 @@ def batch_combines(graph: torch.fx.Graph) -> bool:
             batched = graph.call_function(many, ([m.args[0] for m in members], ",".join(m.args[1] for m in members),
                                                  ",".join(m.args[2] for m in members)))
         position[batched] = position[members[0]]
+        batched.meta["val"] = [member.meta.get("val") for member in members]
         for index, member in enumerate(members):
             with graph.inserting_before(member):
                 value = graph.call_function(operator.getitem, (batched, index))
@@ -103,7 +101,6 @@ def batch_combines(graph: torch.fx.Graph) -> bool:
             position[value] = position[member]
             member.replace_all_uses_with(value)
             graph.erase_node(member)
-        batched.meta["val"] = [value.meta.get("val") for value in batched.users]
     _stable_topological_order(graph, position)
     graph.lint()
     return True
@@ -135,20 +132,22 @@ def _stable_topological_order(graph: torch.fx.Graph, position: Dict[torch.fx.Nod
         cursor = node
 
 
+@functools.lru_cache(maxsize=None)
 def post_grad_pass():
-    """``batch_combines`` as Inductor's ``post_grad_custom_pre_pass`` (a ``CustomGraphPass``, keyed by
+    """``batch_combines`` as Inductor's ``post_grad_custom_pre_pass`` (one ``CustomGraphPass``, keyed by
     this file's source so that Inductor's FX graph cache stays on), or None where torch has no such class."""
     try:
         from torch._inductor.custom_graph_pass import CustomGraphPass
     except ImportError:
         return None
+    with open(__file__, "rb") as handle:
+        source_hash = hashlib.sha256(handle.read()).hexdigest()
 
     class BatchCombines(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             batch_combines(graph)
 
         def uuid(self):
-            with open(__file__, "rb") as handle:
-                return hashlib.sha256(handle.read()).hexdigest()
+            return source_hash
 
     return BatchCombines()

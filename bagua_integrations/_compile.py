@@ -22,7 +22,6 @@ Three details make this work for *any* elementwise optimizer:
 
 from __future__ import annotations
 
-import functools
 import time
 import types
 import warnings
@@ -254,12 +253,6 @@ def _step_with_scalars_as_operands(optimizer, raw_step, mode=None, floats=()):
     return kept
 
 
-@functools.lru_cache(maxsize=None)
-def _batch_combines_pass():
-    """One instance of the post-grad pass that batches the all-reduces of a step over shards."""
-    return post_grad_pass()
-
-
 def _describe(exc: BaseException) -> str:
     """``Type: first line`` of the innermost cause (Dynamo wraps backend errors)."""
     *_, exc = exception_chain(exc, implicit=False)
@@ -301,7 +294,7 @@ class CompiledStep:
         for what, groups in graph_findings(graph_module, self.watched):
             raise LateReduction(groups, what)
         self.graphs += 1
-        compile_graph = inductor_with_post_grad_pass(inductor_backend(), _batch_combines_pass())
+        compile_graph = inductor_with_post_grad_pass(inductor_backend(), post_grad_pass())
         return with_scalar_prologue(compile_graph, graph_module, example_inputs)
 
     @staticmethod

@@ -325,6 +325,16 @@ _REDUCE_OPS = {"sum": "SUM", "amax": "MAX", "amin": "MIN"}
 _SEGMENT_REDUCE = {"sum": "sum", "amax": "max", "amin": "min"}
 
 
+def segment_values(partials: torch.Tensor, seg: "Segmentation", how: str) -> torch.Tensor:
+    """``how`` ("sum", "amax" or "amin") over each segment's block partials, on this rank."""
+    # unsafe=True: no check that the lengths are >= 0 and add up to the partials (ours do, by
+    # construction). The check reads two values back to the host: on a GPU that waited for every
+    # kernel queued before it, twice per reduction (a LAMB step on an H200 spent most of its host
+    # time there).
+    return torch.segment_reduce(partials, _SEGMENT_REDUCE[how], lengths=seg.block_counts, initial=_NEUTRAL[how],
+                                unsafe=True)
+
+
 @torch.library.custom_op("bagua_integrations::segment_combine", mutates_args=())
 def segment_combine(partials: torch.Tensor, key: str, how: str) -> torch.Tensor:
     """``how`` ("sum", "amax" or "amin") over each segment's block partials: one value per segment.
@@ -333,12 +343,7 @@ def segment_combine(partials: torch.Tensor, key: str, how: str) -> torch.Tensor:
     all-reduce for all segments of the run (a collective inside an operator the compiler does
     not look into, so a compiled step makes the same calls in the same order as an eager one)."""
     seg = _BY_KEY[key]
-    # unsafe=True: no check that the lengths are >= 0 and add up to the partials (ours do, by
-    # construction). The check reads two values back to the host: on a GPU that waited for every
-    # kernel queued before it, twice per reduction (a LAMB step on an H200 spent most of its host
-    # time there).
-    values = torch.segment_reduce(partials, _SEGMENT_REDUCE[how], lengths=seg.block_counts, initial=_NEUTRAL[how],
-                                  unsafe=True)
+    values = segment_values(partials, seg, how)
     if seg.shard_group is not None:
         import torch.distributed as dist
 
