@@ -26,7 +26,7 @@ from typing import Dict, List
 
 import torch
 
-from ._segmented import _BY_KEY, _REDUCE_OPS, segment_values
+from ._segmented import _BY_KEY, all_reduce_over_shards, segment_values
 
 __all__ = ["segment_combine_many", "batch_combines"]
 
@@ -38,16 +38,14 @@ def segment_combine_many(partials: List[torch.Tensor], keys: str, hows: str) -> 
     process group: one all-reduce per reduce operation and dtype for all of them."""
     keys, hows = keys.split(","), hows.split(",")
     values = [segment_values(part, _BY_KEY[key], how) for part, key, how in zip(partials, keys, hows)]
-    group = _BY_KEY[keys[0]].shard_group
-    if group is not None:
-        import torch.distributed as dist
-
+    shards = _BY_KEY[keys[0]].shard_group
+    if shards is not None:
         together: Dict[tuple, List[int]] = {}
         for index, (value, how) in enumerate(zip(values, hows)):
             together.setdefault((how, value.dtype), []).append(index)
         for (how, _), indices in together.items():  # (insertion order: the same on every rank)
             flat = torch.cat([values[i] for i in indices])
-            dist.all_reduce(flat, op=getattr(dist.ReduceOp, _REDUCE_OPS[how]), group=group)
+            flat = all_reduce_over_shards(flat, how, shards)
             for i, part in zip(indices, flat.split([values[i].numel() for i in indices])):
                 values[i] = part.clone()  # (outputs of a custom operator may not share memory)
     return values

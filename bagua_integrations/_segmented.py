@@ -41,7 +41,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -152,6 +152,15 @@ _BY_KEY: "weakref.WeakValueDictionary[str, Segmentation]" = weakref.WeakValueDic
 _KEYS = itertools.count()
 
 
+class ShardGroup(NamedTuple):
+    """The process group a run's parameters are sharded over (FSDP2), and the device its
+    collectives move: the device mesh's, which is not the shards' under FSDP2's CPU offloading
+    (shards, gradients and the step on the host; the group NCCL's, which moves GPU tensors only)."""
+
+    group: Any
+    device: torch.device
+
+
 @dataclass(eq=False)
 class Segmentation:
     """The segments of one run: ``pieces`` are (start, end, parameter shape), run-relative.
@@ -166,7 +175,7 @@ class Segmentation:
     key: str = field(init=False)
     # The segments are this rank's shards of larger parameters (FSDP2): a reduction combines
     # every rank's partial values over this process group, and a mean divides by ``numels``.
-    shard_group: Any = None
+    shard_group: Optional[ShardGroup] = None
     shard_numels: Optional[List[int]] = None
     # Tells this run's segment scalars apart from those of another run of equal segment count
     # stepped in the same call (see ``segment_scalar_shape``; the planner picks it).
@@ -335,6 +344,20 @@ def segment_values(partials: torch.Tensor, seg: "Segmentation", how: str) -> tor
                                 unsafe=True)
 
 
+def all_reduce_over_shards(values: torch.Tensor, how: str, shards: ShardGroup) -> torch.Tensor:
+    """``values`` combined by ``how`` across the ranks of ``shards``, on ``values``' device (through
+    the group's device where they differ: a few bytes a segment)."""
+    import torch.distributed as dist
+
+    op = getattr(dist.ReduceOp, _REDUCE_OPS[how])
+    if values.device.type == shards.device.type:
+        dist.all_reduce(values, op=op, group=shards.group)
+        return values
+    moved = values.to(shards.device)
+    dist.all_reduce(moved, op=op, group=shards.group)
+    return moved.to(values.device)
+
+
 @torch.library.custom_op("bagua_integrations::segment_combine", mutates_args=())
 def segment_combine(partials: torch.Tensor, key: str, how: str) -> torch.Tensor:
     """``how`` ("sum", "amax" or "amin") over each segment's block partials: one value per segment.
@@ -345,9 +368,7 @@ def segment_combine(partials: torch.Tensor, key: str, how: str) -> torch.Tensor:
     seg = _BY_KEY[key]
     values = segment_values(partials, seg, how)
     if seg.shard_group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(values, op=getattr(dist.ReduceOp, _REDUCE_OPS[how]), group=seg.shard_group)
+        values = all_reduce_over_shards(values, how, seg.shard_group)
     return values
 
 

@@ -38,15 +38,16 @@ from . import _torch_compat as compat
 from ._flat import SHARD_ATTR, ShardOf
 from ._layout import FlatLayout, FusionConfig, is_sharded
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
+from ._segmented import ShardGroup
 from ._optimizer_copy import optimizer_like
 from ._torch_compat import mark_step_taken, unwrapped_step
 from ._verify import verified
 from .errors import ShardedParameterError
 
 
-def _shard_group(params: List[torch.Tensor]):
+def _shard_group(params: List[torch.Tensor]) -> ShardGroup:
     """The process group over which every parameter of ``params`` is sharded (one mesh dimension
-    with ``Shard(0)``, others replicated, as FSDP2 and HSDP lay them out)."""
+    with ``Shard(0)``, others replicated, as FSDP2 and HSDP lay them out), and its mesh's device."""
     from torch.distributed.tensor import Replicate, Shard
 
     first = params[0]
@@ -64,7 +65,7 @@ def _shard_group(params: List[torch.Tensor]):
             f"fuse_optimizer supports parameters sharded along their first dimension over one mesh dimension "
             f"(FSDP2's fully_shard, HSDP); these have placements {placements}. Use the optimizer unfused here"
         )
-    return mesh.get_group(sharded[0])
+    return ShardGroup(mesh.get_group(sharded[0]), torch.device(mesh.device_type))
 
 
 def _stand_in(p: torch.Tensor, fsdp_param) -> torch.nn.Parameter:
@@ -182,8 +183,6 @@ class ShardedFusion:
     def _show_state(self) -> None:
         """The shard optimizer's state in ``optimizer.state``: shard-shaped tensors as DTensors
         (views of the flat state), the rest as it is. Only what changed is rewrapped."""
-        from torch.distributed.tensor import DTensor
-
         state, shard_state = self.optimizer.state, self.shard_optimizer.state
         for p, stand_in in zip(self.params, self.stand_ins):
             source = shard_state.get(stand_in)
@@ -195,8 +194,7 @@ class ShardedFusion:
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == stand_in.shape:
                     shown = self._shown.get((id(p), key))
                     if shown is None or shown[0] is not value or current is not shown[1]:
-                        entry[key] = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                                        shape=p.shape, stride=p.stride())
+                        entry[key] = compat.dtensor_over(value, p)
                         self._shown[(id(p), key)] = (value, entry[key])
                 elif current is not value:
                     entry[key] = value
@@ -270,15 +268,12 @@ class ShardedFusion:
     def _grads_into_buffers(self) -> None:
         """Each DTensor gradient becomes a view of the flat gradient buffer (which holds its values now),
         so that FSDP2 accumulates the next backward into it when gradients are not set to None."""
-        from torch.distributed.tensor import DTensor
-
         for p, stand_in in zip(self.params, self.stand_ins):
             grad, view = p.grad, stand_in.grad
             shown = self._shown.get((id(p), None))
             if grad is None or view is None or (shown is not None and shown[0] is view and shown[1] is grad):
                 continue
-            p.grad = DTensor.from_local(view, grad.device_mesh, grad.placements, run_check=False,
-                                        shape=grad.shape, stride=grad.stride())
+            p.grad = compat.dtensor_over(view, grad)
             self._shown[(id(p), None)] = (view, p.grad)
 
     def _whole_parameter_step(self, with_grads) -> None:
@@ -304,14 +299,11 @@ def _compact_state(optimizer, state_dict):
     """``state_dict()`` holds each DTensor state as a DTensor over its own copy of the shard: a view
     of a flat state buffer would be saved with the whole buffer (``torch.save``), and cannot be
     deep-copied. (One copy of the optimizer's state while the state dict lives.)"""
-    from torch.distributed.tensor import DTensor
-
     for entry in state_dict["state"].values():
         for key, value in entry.items():
             if is_sharded(value):
                 local = compat.local_shard(value)
                 if local.untyped_storage().nbytes() != local.numel() * local.element_size():
-                    entry[key] = DTensor.from_local(local.clone(), value.device_mesh, value.placements,
-                                                    run_check=False, shape=value.shape, stride=value.stride())
+                    entry[key] = compat.dtensor_over(local.clone(), value)
     return state_dict
 

@@ -13,6 +13,7 @@ local ``+cpu``/``+cu130`` part) and name the releases they cover.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import os
@@ -57,6 +58,7 @@ __all__ = [
     "aten_operator_packet",
     "size_hint",
     "exception_chain",
+    "dtensor_over",
 ]
 
 
@@ -582,6 +584,21 @@ def local_shard(tensor) -> torch.Tensor:
     """A DTensor's local tensor itself (not a differentiable view of it: ``to_local()`` makes one
     under grad mode)."""
     return tensor._local_tensor
+
+
+def dtensor_over(local: torch.Tensor, like) -> Any:
+    """A DTensor laid out as the DTensor ``like`` (mesh, placements, global shape and stride) whose
+    local tensor is ``local`` itself, on ``local``'s device. ``DTensor.from_local`` would copy a
+    local tensor off the mesh's device onto it: under FSDP2's CPU offloading (a CUDA mesh, shards
+    and gradients on the host) that made every gradient and state a GPU copy. FSDP2 builds its own
+    offloaded DTensors this way (its ``_from_local_no_grad``). Private: ``DTensor._spec`` and the
+    ``DTensor(local, spec, requires_grad=...)`` constructor."""
+    from torch.distributed.tensor import DTensor
+
+    spec = like._spec
+    if spec.tensor_meta is not None and spec.tensor_meta.dtype != local.dtype:
+        spec = dataclasses.replace(spec, tensor_meta=spec.tensor_meta._replace(dtype=local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def fsdp2_point_shard_at(fsdp_param, padded: torch.Tensor, local: torch.Tensor) -> None:

@@ -11,6 +11,7 @@
 #
 # Smaller pieces, when a part needs its whole time budget:
 #   tests-cuda | tests-suite | bench-fp32 | bench-bf16 | codec | fsdp2 | fsdp2-offload
+#   fsdp2-all: tests/test_cuda.py (FSDP2 over NCCL included), then fsdp2 and fsdp2-offload; ~8 min
 #   host: segmented CUDA tests, then the step's host overhead (--model tiny) and BERT-base (~5 min)
 #   profile: tests/test_cuda.py, then where the host time of a step goes (benchmarks/profile_step_host.py,
 #            201 tiny tensors), then the step benchmark's host rows on BERT-base; ~7.5 min
@@ -157,6 +158,7 @@ case "${1:-}" in
     codec) environment; codec "$PART_BUDGET" ;;
     fsdp2) environment; fsdp2 "$PART_BUDGET" ;;
     fsdp2-offload) environment; fsdp2_offload "$PART_BUDGET" ;;
+    fsdp2-all) environment; tests_cuda; fsdp2 130; fsdp2_offload "$(left)" ;;
     host) environment  # the fused step's host overhead (201 tiny tensors) and BERT-base, after an overhead change
         run_logged 200 "$OUT/tests_segmented.log" $PY -m pytest -q -rs $(timeout_args) tests/test_cuda.py -k "compiled or (fp32 and (clipped or Lamb))"
         for model in tiny bert-base; do
@@ -175,7 +177,7 @@ case "${1:-}" in
                 --out-dir "$OUT/recipe_$precision"
         done ;;
     lent) environment; bench fp32 270 "$LENT_ROWS"; codec 70; fsdp2 120; bench bf16 "$(left)" "$LENT_BF16_ROWS" ;;
-    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|profile|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2|fsdp2-offload}" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|profile|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2|fsdp2-offload|fsdp2-all}" >&2; exit 2 ;;
 esac
 echo "# part '${1}' done in $((SECONDS - START)) s, status $STATUS; logs in $OUT"
 exit $STATUS

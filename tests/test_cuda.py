@@ -419,9 +419,11 @@ def test_one_rank_over_nccl():
     assert result["error"] <= 1e-6 and result["moved"] > 0, result
 
 
-def fsdp2_offload_one_rank(rank, world, port, name):
-    """One NCCL rank, FSDP2 with CPUOffloadPolicy (pinned): shards, gradients and state in host memory,
-    copied to the GPU before each all-gather; the fused step (on the host) against the unfused one."""
+def fsdp2_one_rank(rank, world, port, name, offload):
+    """One NCCL rank, FSDP2: the fused step against the unfused one over 6 steps. With ``offload``,
+    CPUOffloadPolicy (pinned): shards, gradients and state in host memory, copied to the GPU before each
+    all-gather, the fused step on the host. Without, the compiled step on the GPU shards, its
+    whole-parameter reductions sent in one all-reduce a step (counted over the last 3 steps)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -429,38 +431,69 @@ def fsdp2_offload_one_rank(rank, world, port, name):
     dev = _device()
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
+    real, all_reduces = dist.all_reduce, []
     try:
         mesh = init_device_mesh("cuda", (1,))
+        policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=True)) if offload else {}
         models = []
         for _ in range(2):
             torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(dev)
-            for module in (model[0], model[2], model):
-                fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))
+            model = torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.LayerNorm(7), torch.nn.Tanh(),
+                                        torch.nn.Linear(7, 3)).to(dev)
+            for module in (model[0], model[3], model):
+                fully_shard(module, mesh=mesh, **policy)
             models.append(model)
-        make = {"adamw": lambda ps: O.AdamW(ps, lr=1e-2, weight_decay=0.1), "lamb": lambda ps: Lamb(ps, lr=1e-2)}[name]
-        fused = fuse_optimizer(make(models[0].parameters()), replace_step=True)
+        make = {"adamw": lambda ps: O.AdamW(ps, lr=1e-2, weight_decay=0.1), "lamb": lambda ps: Lamb(ps, lr=1e-2),
+                "bertadam": lambda ps: BertAdam(ps, lr=1e-2)}[name]
+        fused = fuse_optimizer(make(models[0].parameters()), replace_step=True, compile=not offload)
         plain = make(models[1].parameters())
         for step in range(6):
+            if step == 3:
+                dist.all_reduce = lambda *args, **kwargs: all_reduces.append(1) or real(*args, **kwargs)
             x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step)).to(dev)
             for model, opt in zip(models, (fused, plain)):
                 model(x).pow(2).sum().backward()
                 opt.step()
                 opt.zero_grad()
+        dist.all_reduce = real
         torch.cuda.synchronize()
         locals_ = [p.to_local() for p in models[0].parameters()]
-        error = max(float((a.full_tensor() - b.full_tensor()).abs().max()) for a, b in
+        error = max(float((a.detach().full_tensor() - b.detach().full_tensor()).abs().max()) for a, b in
                     zip(models[0].parameters(), models[1].parameters()))
+        report = fusion_report(fused)
         return {"error": error, "devices": sorted({str(t.device) for t in locals_}),
-                "pinned": all(t.is_pinned() for t in locals_), "fused": fusion_report(fused).last_step_fused}
+                "pinned": all(t.is_pinned() for t in locals_), "fused": report.last_step_fused,
+                "compiled": report.compiled, "disabled": report.compile_disabled_reason,
+                "all_reduces_per_step": len(all_reduces) / 3, "paths": report.group_paths}
     finally:
+        dist.all_reduce = real
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(DEVICE != "cuda" or not dist.is_nccl_available(), reason="NCCL needs CUDA and an NCCL build of torch")
+NCCL = pytest.mark.skipif(DEVICE != "cuda" or not dist.is_nccl_available(), reason="NCCL needs CUDA and an NCCL build of torch")
+
+
+@NCCL
 @pytest.mark.parametrize("name", ["adamw", "lamb"])
 def test_fsdp2_cpu_offload_over_nccl(name):
-    (result,) = values(run_ranks(fsdp2_offload_one_rank, 1, (free_port(), name), timeout=120, pg_timeout=60))
+    (result,) = values(run_ranks(fsdp2_one_rank, 1, (free_port(), name, True), timeout=120, pg_timeout=60))
     assert result["devices"] == ["cpu"] and result["fused"], result
     assert result["pinned"], f"the fused flat buffer is not pinned: FSDP2's copies to the GPU are synchronous ({result})"
     assert result["error"] <= 1e-5, result  # (the compiled step may fuse multiply-adds)
+
+
+@NCCL
+@pytest.mark.parametrize("name", ["bertadam", "lamb"])
+def test_fsdp2_compiled_step_over_nccl_sends_one_all_reduce(name):
+    """The compiled step on GPU shards (Triton), its per-parameter norms combined by one all-reduce a step
+    (the batched-combines pass, over NCCL), equal to the unfused optimizer on the same FSDP2 model."""
+    if (reason := _compile.compile_unavailable_reason(device_type="cuda")) is not None:
+        pytest.skip(reason)
+    (result,) = values(run_ranks(fsdp2_one_rank, 1, (free_port(), name, False), timeout=180, pg_timeout=60))
+    assert result["devices"] == ["cuda:0"] and result["fused"] and result["paths"] == ["segmented"], result
+    assert result["compiled"], result
+    assert result["error"] <= 1e-5, result
+    from bagua_integrations._batched_combines import post_grad_pass
+
+    if post_grad_pass() is not None:
+        assert result["all_reduces_per_step"] == 1, result

@@ -747,6 +747,24 @@ def test_fsdp2_shards_can_be_pointed_at_other_memory():
         assert shape[1] == 4
 
 
+def test_dtensor_over_wraps_the_local_tensor_itself_as_the_dtensor_it_is_like(private_api, one_rank_gloo_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with private_api("dtensor_over"):
+        like = distribute_tensor(torch.randn(6, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        for local in (torch.randn(6, 4), torch.randn(6, 4, dtype=torch.float64)):
+            wrapped = compat.dtensor_over(local, like)
+            assert compat.local_shard(wrapped) is local, changed("dtensor_over", "the local tensor was copied")
+            assert (wrapped.device_mesh, wrapped.placements, wrapped.shape, wrapped.stride()) == (
+                like.device_mesh, like.placements, like.shape, like.stride()), changed("dtensor_over", "another layout")
+            assert wrapped.dtype == local.dtype and not wrapped.requires_grad, changed("dtensor_over", str(wrapped.dtype))
+            assert torch.equal(wrapped.full_tensor(), local), changed("dtensor_over", "other values")
+
+
+TESTED.add("dtensor_over")
+
+
 # ------------------------------------------------------------------------------ drop_group_defaults_kept_by_torch
 def test_drop_group_defaults_kept_by_torch_replaces_the_group_only_in_torch_distributed(monkeypatch):
     """Only defaults that *are* the group, in modules under ``torch.distributed``; both kinds of
