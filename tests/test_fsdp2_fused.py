@@ -100,14 +100,19 @@ def _worst(a, b) -> float:
     return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)) for x, y in zip(a, b))
 
 
+def _offloaded(offload: bool) -> dict:
+    """``fully_shard``'s arguments for CPU offloading (pinning needs an accelerator: test_cuda.py pins)."""
+    if not offload:
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+
+
 def _fused_vs_unfused(rank, world, name, compile="auto", hsdp=False, offload=False):
     from bagua_integrations import fuse_optimizer, fusion_report
 
-    fsdp_kwargs = {}
-    if offload:  # (pinning needs an accelerator: pin_memory=True is for GPU runs)
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    fsdp_kwargs = _offloaded(offload)
     reference = _model(world, hsdp=hsdp, **fsdp_kwargs)
     plain = _make(name, reference.parameters())
     _train(reference, plain, STEPS, rank)
@@ -238,20 +243,21 @@ def _state_dict_into_unfused(rank, world):
     return _worst(_full(model), _full(other)), kinds
 
 
-def _dcp_resume(rank, world, name):
+def _dcp_resume(rank, world, name, offload=False):
     """Save model and fused optimizer with torch.distributed.checkpoint after 3 steps, load them into
-    a new model and fused optimizer, train on: equal to the uninterrupted fused run."""
+    a new model and fused optimizer, train on: equal to the uninterrupted fused run. ``offload``:
+    under FSDP2's CPU offloading."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from bagua_integrations import fuse_optimizer
 
-    uninterrupted = _model(world)
+    uninterrupted = _model(world, **_offloaded(offload))
     opt = fuse_optimizer(_make(name, uninterrupted.parameters()), replace_step=True)
     _train(uninterrupted, opt, STEPS, rank)
 
-    model = _model(world)
+    model = _model(world, **_offloaded(offload))
     opt = fuse_optimizer(_make(name, model.parameters()), replace_step=True)
     _train(model, opt, 3, rank)
     path = [tempfile.mkdtemp(prefix="fsdp2_dcp_") if rank == 0 else None]
@@ -259,7 +265,7 @@ def _dcp_resume(rank, world, name):
     model_sd, opt_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=path[0])
 
-    resumed = _model(world, seed=1)
+    resumed = _model(world, seed=1, **_offloaded(offload))
     opt = fuse_optimizer(_make(name, resumed.parameters()), replace_step=True)
     model_sd, opt_sd = get_state_dict(resumed, opt)
     loaded = {"model": model_sd, "optim": opt_sd}
@@ -357,6 +363,7 @@ SCENARIOS = {
     **{f"mixed-precision-{name}": functools.partial(_mixed_precision, name=name) for name in ("adamw", "lamb")},
     **{f"offload-{name}": functools.partial(_fused_vs_unfused, name=name, offload=True) for name in ("adamw", "lamb")},
     **{f"dcp-{name}": functools.partial(_dcp_resume, name=name) for name in ("adamw", "bertadam", "lamb")},
+    "dcp-offload-lamb": functools.partial(_dcp_resume, name="lamb", offload=True),
 }
 ON_FOUR_RANKS = ["fused-adamw", "fused-bertadam", "fused-lamb", "broken-lamb", "big-batch-pytorch_optimizer.Lamb",
                  "hsdp-bertadam", "compiled-lamb"]
@@ -439,7 +446,7 @@ def test_fused_state_dict_loads_into_the_unfused_optimizer():
         assert worst < RTOL, worst
 
 
-@pytest.mark.parametrize("name", ["adamw", "bertadam", "lamb"])
+@pytest.mark.parametrize("name", ["adamw", "bertadam", "lamb", "offload-lamb"])
 def test_dcp_resume_equals_uninterrupted(name):
     for worst in _value(2, f"dcp-{name}"):
         assert worst < RTOL, worst
