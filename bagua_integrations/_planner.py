@@ -160,7 +160,15 @@ _META = attrgetter("shape", "dtype", "device")
 
 _NUMBERS = {int, float, bool}
 _PARAM, _GRAD, _GRAD_VIEW, _PARAM_PTR = attrgetter("param"), attrgetter("grad"), attrgetter("grad_view"), attrgetter("param_ptr")
-_TOKEN, _TOKEN_AND_BRANCH = attrgetter("token"), attrgetter("token", "branch")
+_TOKEN = attrgetter("token")
+
+
+def _grad_in_place(grad, view) -> bool:
+    return grad is view or grad is None
+
+
+def _token_branch_and_grad(slot) -> tuple:
+    return slot.token, slot.branch, slot.param.grad is not None
 
 
 def _hold_their_views(entries: List[Dict[str, Any]], key: str, views: List[torch.Tensor]) -> bool:
@@ -468,9 +476,10 @@ class StepPlanner:
         slots = buffer.slots
         if run_cap == float("inf") and self._in_place(buffer):
             first = 0
-            for _, same in groupby(map(_TOKEN_AND_BRANCH, slots)):
+            for (_, _, has_grad), same in groupby(map(_token_branch_and_grad, slots)):
                 last = first + len(list(same))
-                yield first, last
+                if has_grad:  # (a parameter without a gradient is not stepped: the runs end there)
+                    yield first, last
                 first = last
             return
         first = None
@@ -492,15 +501,17 @@ class StepPlanner:
     @staticmethod
     def _in_place(buffer: FlatBuffer) -> bool:
         """Every slot of ``buffer`` joins a run this step, with nothing to put back in place (a usual
-        step): each parameter and gradient is its view of the buffer, and no slot holds a first
-        step's or unfusable state's token. The runs are then where the tokens and branches change,
-        as :meth:`_runs` would find them slot by slot. C-level passes over the slots."""
+        step): each parameter and gradient is its view of the buffer (or the parameter has no gradient:
+        a model's unused parameters, BERT's pooler under a masked-LM loss), and no slot holds a first
+        step's or unfusable state's token. The runs are then where the tokens and branches change and
+        around the parameters without gradients, as :meth:`_runs` would find them slot by slot.
+        C-level passes over the slots."""
         slots = buffer.slots
         params = list(map(_PARAM, slots))
         tokens = list(map(_TOKEN, slots))
         return (
             UNFUSABLE_STATE not in tokens and FIRST_STEP not in tokens
-            and all(map(is_, map(_GRAD, params), map(_GRAD_VIEW, slots)))
+            and all(map(_grad_in_place, map(_GRAD, params), map(_GRAD_VIEW, slots)))
             and list(map(torch.Tensor.data_ptr, params)) == list(map(_PARAM_PTR, slots))
         )
 

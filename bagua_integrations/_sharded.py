@@ -29,8 +29,10 @@ unfused optimizer keeps.
 from __future__ import annotations
 
 import dataclasses
+import operator
+import weakref
 from collections import defaultdict
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -123,6 +125,15 @@ class ShardedFusion:
         self._generation = None  # the layout's generation _padded was taken from
         # (id(parameter), state key or None for the gradient) -> (flat view, the DTensor shown over it)
         self._shown: Dict[Any, Any] = {}
+        # id(parameter) -> its state entries' keys and values, and those shown, when last shown
+        self._shown_entries: Dict[int, Any] = {}
+        # gradients become views of the flat buffer after a step while the program keeps them
+        # (zero_grad(set_to_none=False), accumulation): see _fused_shard_step
+        self._grads_kept = True  # (until a step shows otherwise)
+        # (index, weak reference) of a gradient after the last fused step: still there at the next one?
+        self._grad_after_step: Optional[Tuple[int, Any]] = None
+        self._slots: List[Any] = []
+        self._flat_grads: List[torch.Tensor] = []
         self._follow_layout()
         # ids of parameters whose step can run in flat runs: their state exists, or their group's first
         # step was found exact on runs (elementwise groups; segmented ones the probes checked)
@@ -149,6 +160,9 @@ class ShardedFusion:
             (g.reason or g.path_why for g in layout.groups.values() if g.path == PER_TENSOR or g.per_tensor), None)
         self._padded = {id(slot.param): buffer.param[slot.start: slot.start + getattr(slot.param, SHARD_ATTR).room]
                         for buffer in layout.buffers() for slot in buffer.slots}
+        slots = {id(slot.param): slot for buffer in layout.buffers() for slot in buffer.slots}
+        self._slots = [slots.get(id(stand_in)) for stand_in in self.stand_ins]
+        self._flat_grads = [buffer.grad for buffer in layout.buffers()]
         self._point_fsdp_at_buffers(copy=False)
 
     def _point_fsdp_at_buffers(self, copy: bool) -> None:
@@ -183,12 +197,15 @@ class ShardedFusion:
     def _show_state(self) -> None:
         """The shard optimizer's state in ``optimizer.state``: shard-shaped tensors as DTensors
         (views of the flat state), the rest as it is. Only what changed is rewrapped."""
-        state, shard_state = self.optimizer.state, self.shard_optimizer.state
+        state, shard_state, last_shown = self.optimizer.state, self.shard_optimizer.state, self._shown_entries
         for p, stand_in in zip(self.params, self.stand_ins):
             source = shard_state.get(stand_in)
             if not source:
                 continue
             entry = state[p]
+            shown = last_shown.get(id(p))
+            if shown is not None and shown.follow(source, entry):
+                continue  # (a usual step: the same state objects, in place, and new Python numbers)
             for key, value in source.items():
                 current = entry.get(key)
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == stand_in.shape:
@@ -200,6 +217,7 @@ class ShardedFusion:
                     entry[key] = value
             for key in [k for k in entry if k not in source]:
                 del entry[key]
+            last_shown[id(p)] = _Shown(source, entry)
         for key, value in shard_state.items():
             if not isinstance(key, torch.Tensor):
                 state[key] = value
@@ -248,9 +266,8 @@ class ShardedFusion:
     def _fused_shard_step(self, optimizer, replay, with_grads) -> None:
         """The shard optimizer's fused step on this rank's shards (the optimizer's own DTensor step
         where a shard cannot be stepped in flat runs this step)."""
-        for p, stand_in in zip(self.params, self.stand_ins):
-            grad = p.grad
-            stand_in.grad = None if grad is None else compat.local_shard(grad)
+        fresh = self._grads_to_stand_ins()
+        versions = compat.tensor_versions(self._flat_grads)
         self._sync_settings(optimizer, self.shard_optimizer)
         from .fused_optimizer import NeedsWholeParameters, _fused_step
 
@@ -263,7 +280,50 @@ class ShardedFusion:
         self._follow_layout()
         self._sync_settings(self.shard_optimizer, optimizer)
         self._show_state()
-        self._grads_into_buffers()
+        if fresh and (self._grads_kept or compat.tensor_versions(self._flat_grads) != versions):
+            # (also where the step wrote the gradients, as BertAdam's clipping does: the parameters'
+            # .grad then shows the written values, as after the unfused step)
+            self._grads_into_buffers()
+        self._grad_after_step = next(((i, weakref.ref(p.grad)) for i, p in enumerate(self.params) if p.grad is not None),
+                                     None)
+
+    def _grads_to_stand_ins(self) -> int:
+        """Each stand-in's gradient: the DTensor gradient's local tensor, copied into the stand-in's view
+        of the flat gradient buffer (one foreach copy for all: FSDP2 hands over new gradients after
+        ``zero_grad(set_to_none=True)``, and a copy per parameter is a kernel launch each). Returns how
+        many gradients are not yet shown as views of the buffer.
+
+        Also notes whether the program keeps its gradients from one step to the next (``zero_grad(
+        set_to_none=False)``, accumulation over steps): only then are they shown as views of the flat
+        buffer after the step, so that FSDP2 accumulates the next backward there; a program that sets
+        them to None would have them rebuilt as DTensors each step for nothing (199 on BERT-base)."""
+        grads = list(map(_GRAD, self.params))
+        if self._grad_after_step is not None:
+            index, ref = self._grad_after_step
+            self._grads_kept = grads[index] is not None and grads[index] is ref()
+        views, locals_, fresh = [], [], 0
+        for p, grad, stand_in, slot in zip(self.params, grads, self.stand_ins, self._slots):
+            if grad is None:
+                stand_in.grad = None
+                continue
+            local = compat.local_shard(grad)
+            shown = self._shown.get((id(p), None))
+            if shown is not None and shown[1] is grad:
+                stand_in.grad = local
+                continue
+            fresh += 1
+            view = None if slot is None else slot.grad_view
+            if (view is not None and local is not view and view.shape == local.shape and view.dtype == local.dtype
+                    and view.device == local.device and stand_in.data_ptr() == slot.param_ptr):
+                views.append(view)
+                locals_.append(local)
+                stand_in.grad = view
+            else:
+                stand_in.grad = local  # (the planner copies it in, or steps it per tensor)
+        if views:
+            with torch.no_grad():
+                torch._foreach_copy_(views, locals_)
+        return fresh
 
     def _grads_into_buffers(self) -> None:
         """Each DTensor gradient becomes a view of the flat gradient buffer (which holds its values now),
@@ -293,6 +353,41 @@ class ShardedFusion:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+_NUMBERS = (int, float, bool)
+
+
+def _same_or_numbers(a, b) -> bool:
+    return a is b or (type(a) in _NUMBERS and type(b) in _NUMBERS)
+
+
+class _Shown:
+    """What ``_show_state`` last made of one parameter's state: the shard optimizer's entry (its keys
+    and objects) and the entry shown in ``optimizer.state``. Identity only: a tensor's ``==`` compares
+    values."""
+
+    __slots__ = ("keys", "values", "numbers", "shown")
+
+    def __init__(self, source: Dict[str, Any], entry: Dict[str, Any]):
+        self.keys, self.values = tuple(source), tuple(source.values())
+        self.numbers = [key for key, value in source.items() if type(value) in _NUMBERS]
+        self.shown = tuple(entry.values())
+
+    def follow(self, source: Dict[str, Any], entry: Dict[str, Any]) -> bool:
+        """Where the shard entry holds the same keys and objects, Python numbers aside (a step count
+        changes every step), and nobody edited the shown entry: copy the numbers over, and True."""
+        if not (len(source) == len(self.keys) and len(entry) == len(self.shown)
+                and all(map(operator.is_, self.keys, source)) and all(map(operator.is_, self.shown, entry.values()))
+                and all(map(_same_or_numbers, self.values, source.values()))):
+            return False
+        for key in self.numbers:
+            entry[key] = source[key]
+        self.values, self.shown = tuple(source.values()), tuple(entry.values())
+        return True
 
 
 def _compact_state(optimizer, state_dict):

@@ -55,7 +55,10 @@ ROWS = ["adamw-foreach", "adamw-forloop", REFERENCE, "adamw-bagua", "adamw-fused
         "floor-bertadam", "floor-lamb"]
 BYTES_PER_ELEM = 28  # fp32 Adam-like step: read p, g, m, v (16 B) + write p, m, v (12 B)
 MODELS = {"bert-base": {}, "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                    "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 128}}
+                                    "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 128},
+          # BERT-base's 199 parameters at a tiny size: on a CPU a step's time is then mostly its host side
+          "deep-tiny": {"hidden_size": 32, "num_hidden_layers": 12, "num_attention_heads": 2,
+                        "intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 64}}
 
 
 def make_optimizer(row, params):
@@ -132,17 +135,37 @@ def bertadam_floor_step(params):
     return lambda: compiled(p, g, m, v, lr, bound)
 
 
-def time_steps(step, steps, dist, cuda=False):
+def new_grads(params, args):
+    """With ``--fresh-grads``: before each step, every parameter gets a new gradient object (copies of
+    the first backward's), as after ``zero_grad(set_to_none=True)`` and a backward in training (FSDP2
+    then hands the optimizer new DTensor gradients). Without: the same gradients every step."""
+    if not args.fresh_grads:
+        return None
+    saved = [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+    def renew():
+        for p, grad in zip(params, saved):
+            p.grad = None if grad is None else grad.clone()
+
+    return renew
+
+
+def time_steps(step, steps, dist, cuda=False, before=None):
     """(seconds of the first 3 steps, seconds of each timed step, host seconds of issuing each).
-    On CUDA a step's time is its CUDA-event time; its host time is the Python call alone."""
+    On CUDA a step's time is its CUDA-event time; its host time is the Python call alone.
+    ``before``: run ahead of every step, untimed."""
     started = time.perf_counter()
     for _ in range(3):  # warm-up: state creation, compilation, one warm step
+        if before is not None:
+            before()
         step()
     if cuda:
         torch.cuda.synchronize()
     first3 = time.perf_counter() - started
     times, host = [], []
     for _ in range(steps):
+        if before is not None:
+            before()
         dist.barrier()
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -210,7 +233,7 @@ def worker(rank, world, port, args, out_dir):
                     started = time.perf_counter()
                     opt = make_optimizer(row, params)
                     build = time.perf_counter() - started
-                    first3, times, host = time_steps(opt.step, args.steps, dist, cuda)
+                    first3, times, host = time_steps(opt.step, args.steps, dist, cuda, before=new_grads(params, args))
                     res.update(first3=build + first3, times=times, host=host)
                     del opt
         except Exception as exc:  # noqa: BLE001 - a row that cannot run is reported, not fatal
@@ -270,7 +293,8 @@ def hardware_line(args):
     backend = "nccl" if args.device == "cuda" else "gloo"
     return (f"{gpu}{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}; "
             f"world size {args.world_size} ({backend}), {args.threads} torch thread(s) per rank, model {args.model}"
-            f"{', CPU offloading (the step runs on the host)' if args.offload else ''}{load}")
+            f"{', CPU offloading (the step runs on the host)' if args.offload else ''}"
+            f"{', new gradients before each step' if args.fresh_grads else ''}{load}")
 
 
 def main(argv=None):
@@ -286,6 +310,9 @@ def main(argv=None):
     parser.add_argument("--json", help="also write every rank's results here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: NCCL, rank r on GPU r (needs --world-size <= the GPUs), CUDA-event timing")
+    parser.add_argument("--fresh-grads", action="store_true",
+                        help="new gradient objects before each step (untimed), as zero_grad(set_to_none=True) "
+                             "and a backward give in training")
     parser.add_argument("--offload", action="store_true",
                         help="FSDP2's CPUOffloadPolicy (pinned on cuda): the optimizer step runs on the host")
     args = parser.parse_args(argv)

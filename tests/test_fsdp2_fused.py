@@ -174,6 +174,36 @@ def _accumulated_gradients(rank, world, name):
     return _worst(_full(model), _full(reference))
 
 
+def _gradient_modes(rank, world, name):
+    """Gradients set to None (3 steps), then kept: zeroed in place, two backwards a step (3), then set to
+    None again (2). The fused step equals the unfused one throughout, its parameters and the gradients
+    after each step (BertAdam's clipping writes them). Returned too, after each step: how many storages
+    the gradients' local tensors are in: while the program keeps them, or the step wrote them, views of
+    the flat gradient buffer (FSDP2 accumulates into it); else FSDP2's own (not rebuilt as views each
+    step)."""
+    from bagua_integrations import fuse_optimizer, fusion_report
+    from bagua_integrations._torch_compat import local_shard
+
+    reference, model = _model(world), _model(world)
+    plain, opt = _make(name, reference.parameters()), fuse_optimizer(_make(name, model.parameters()), replace_step=True)
+    storages, step, grads = [], 0, 0.0
+    for steps, set_to_none, micro_batches in [(3, True, 1), (3, False, 2), (2, True, 1)]:
+        for _ in range(steps):
+            for m, o in ((reference, plain), (model, opt)):
+                for micro in range(micro_batches):
+                    _loss(m, _batch(rank + 97 * micro, step)).backward()
+                o.step()
+            storages.append(len({local_shard(p.grad).untyped_storage().data_ptr() for p in model.parameters()
+                                 if p.grad is not None}))
+            grads = max(grads, _worst([p.grad.full_tensor() for p in model.parameters()],
+                                      [p.grad.full_tensor() for p in reference.parameters()]))
+            for o in (plain, opt):
+                o.zero_grad(set_to_none=set_to_none)
+            step += 1
+    report = fusion_report(opt)
+    return _worst(_full(model), _full(reference)), grads, storages, report.flat_buffers, report.fused_steps
+
+
 def _mixed_precision(rank, world, name):
     """bf16 forward/backward (FSDP2's MixedPrecisionPolicy), fp32 shards and reduction: the fused step
     equals the unfused one on the same policy."""
@@ -360,6 +390,7 @@ SCENARIOS = {
        for name in ("lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS", "pytorch_optimizer.AvaGrad",
                     "pytorch_optimizer.Adai")},
     **{f"accumulated-{name}": functools.partial(_accumulated_gradients, name=name) for name in ("adamw", "bertadam")},
+    **{f"gradient-modes-{name}": functools.partial(_gradient_modes, name=name) for name in ("adamw", "lamb", "bertadam")},
     **{f"mixed-precision-{name}": functools.partial(_mixed_precision, name=name) for name in ("adamw", "lamb")},
     **{f"offload-{name}": functools.partial(_fused_vs_unfused, name=name, offload=True) for name in ("adamw", "lamb")},
     **{f"dcp-{name}": functools.partial(_dcp_resume, name=name) for name in ("adamw", "bertadam", "lamb")},
@@ -482,6 +513,21 @@ def test_verification_mode_on_shards_catches_norms_of_the_local_shard_only():
 def test_gradients_accumulated_in_place_by_fsdp2(name):
     for worst in _value(2, f"accumulated-{name}"):
         assert worst < RTOL, worst
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "bertadam"])
+def test_gradients_set_to_none_then_kept_then_set_to_none(name):
+    for worst, grads, storages, flat_buffers, fused_steps in _value(2, f"gradient-modes-{name}"):
+        assert worst < RTOL and grads < RTOL, (worst, grads)
+        assert fused_steps == 8, fused_steps
+        if name == "bertadam":  # its step clips the gradients in place: shown as the flat buffer's, always
+            assert storages == [flat_buffers] * 8, (storages, flat_buffers)
+            continue
+        # views of the flat buffer (after the first step; while kept), or FSDP2's own gradients (one
+        # reduce-scatter output per fully_shard module) while the program sets them to None
+        own = storages[1]
+        assert own > flat_buffers and storages == [flat_buffers, own, own, own, flat_buffers, flat_buffers,
+                                                   flat_buffers, own], (storages, flat_buffers)
 
 
 @pytest.mark.parametrize("name", ["adamw", "lamb"])

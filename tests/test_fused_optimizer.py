@@ -714,6 +714,41 @@ def test_only_an_edit_replans_the_runs(make, monkeypatch):
     assert len(retokens) == 2
 
 
+def test_a_parameter_without_a_gradient_keeps_the_usual_steps_on_the_fast_path(monkeypatch):
+    """A model's unused parameter (BERT's pooler under a masked-LM loss) has no gradient: the usual
+    step still finds its runs in C-level passes (not slot by slot), the runs end around it, and it
+    is left alone, as the unfused step leaves it."""
+    from bagua_integrations._planner import StepPlanner
+
+    def make_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 6), torch.nn.Linear(6, 2))
+
+    def loss(model, x):  # the middle layer's weight gets no gradient; its bias does
+        return model[2](model[0](x)[:, :1] * model[1].bias.unsqueeze(0)).pow(2).sum()
+
+    plain_model, fused_model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=0.01)
+    # (compiled: an eager step caps its runs' length, and finds them slot by slot)
+    fused = fuse_optimizer(torch.optim.AdamW(fused_model.parameters(), lr=0.01), compile=True)
+    slot_by_slot = []
+    joins = StepPlanner._joins_a_run
+    monkeypatch.setattr(StepPlanner, "_joins_a_run", lambda self, *a: (slot_by_slot.append(1), joins(self, *a))[1])
+    for step in range(5):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for model, opt, take in ((plain_model, plain, plain.step), (fused_model, fused, fused.fuse_step)):
+            opt.zero_grad(set_to_none=True)
+            loss(model, x).backward()
+            take()
+        if step == 1:
+            slot_by_slot.clear()
+    assert fused_model[1].weight.grad is None
+    assert not slot_by_slot, f"{len(slot_by_slot)} slots planned one by one in the usual steps"
+    assert_same_params(plain_model, fused_model, rtol=1e-5, atol=1e-6)  # (compiled: multiply-adds may fuse)
+    report = fusion_report(fused)
+    assert report.fused_params == 5 and report.compiled, report
+
+
 def test_parameters_that_are_not_contiguous_keep_their_strides():
     """A flat-buffer view is contiguous: channels_last and transposed parameters keep their exact step."""
     conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
