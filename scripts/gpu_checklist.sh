@@ -128,8 +128,9 @@ codec() {
 fsdp2() {
     local limit=$1
     [ "$(left)" -lt "$limit" ] && limit=$(left)
+    # new gradients before each step, as in training (zero_grad(set_to_none=True), a backward)
     run_logged "$limit" "$OUT/fsdp2.log" $PY benchmarks/bench_fsdp2_step.py --device cuda --world-size 1 --steps 20 \
-        --timeout $((limit - 15)) --json "$OUT/fsdp2.json"
+        --fresh-grads --timeout $((limit - 15)) --json "$OUT/fsdp2.json"
 }
 
 # FSDP2's CPU offloading: shards, gradients and state in pinned host memory, the step on the CPU
