@@ -32,6 +32,7 @@ import dataclasses
 import operator
 import weakref
 from collections import defaultdict
+from itertools import compress, repeat
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -122,6 +123,7 @@ class ShardedFusion:
         layout = self.shard_fusion.layout
         self.unfused_reason: Optional[str] = None
         self._padded = {}  # id(stand-in) -> its padded shard in the flat buffer
+        self._pointers: Optional[List[int]] = None  # FSDP2's shard pointers once pointed at the buffers
         self._generation = None  # the layout's generation _padded was taken from
         # (id(parameter), state key or None for the gradient) -> (flat view, the DTensor shown over it)
         self._shown: Dict[Any, Any] = {}
@@ -133,6 +135,7 @@ class ShardedFusion:
         # (index, weak reference) of a gradient after the last fused step: still there at the next one?
         self._grad_after_step: Optional[Tuple[int, Any]] = None
         self._slots: List[Any] = []
+        self._shown_grads: List[Any] = [None] * len(params)  # each parameter's gradient shown over the buffer
         self._flat_grads: List[torch.Tensor] = []
         self._follow_layout()
         # ids of parameters whose step can run in flat runs: their state exists, or their group's first
@@ -163,11 +166,14 @@ class ShardedFusion:
         slots = {id(slot.param): slot for buffer in layout.buffers() for slot in buffer.slots}
         self._slots = [slots.get(id(stand_in)) for stand_in in self.stand_ins]
         self._flat_grads = [buffer.grad for buffer in layout.buffers()]
+        self._pointers = None
         self._point_fsdp_at_buffers(copy=False)
 
     def _point_fsdp_at_buffers(self, copy: bool) -> None:
         """FSDP2 all-gathers from the flat buffer; after FSDP2 re-pointed a shard (``model.to``,
         ``load_state_dict(assign=True)``) its values are copied back in first (``copy``)."""
+        if compat.fsdp2_shard_pointers(self.fsdp_params) == self._pointers:
+            return  # (a usual step: as they were pointed)
         for p, fsdp_param, stand_in in zip(self.params, self.fsdp_params, self.stand_ins):
             padded = self._padded.get(id(stand_in))
             if padded is None or compat.fsdp2_shard_points_at(fsdp_param, padded):
@@ -176,6 +182,7 @@ class ShardedFusion:
                 if copy:
                     stand_in.data.copy_(compat.local_shard(p))
                 compat.fsdp2_point_shard_at(fsdp_param, padded, stand_in.data)
+        self._pointers = compat.fsdp2_shard_pointers(self.fsdp_params)
 
     # ------------------------------------------------------------------ state both ways
     def _import_state(self) -> None:
@@ -301,6 +308,8 @@ class ShardedFusion:
         if self._grad_after_step is not None:
             index, ref = self._grad_after_step
             self._grads_kept = grads[index] is not None and grads[index] is ref()
+        if self._all_new_and_in_place(grads):
+            return sum(map(operator.is_not, grads, repeat(None)))
         views, locals_, fresh = [], [], 0
         for p, grad, stand_in, slot in zip(self.params, grads, self.stand_ins, self._slots):
             if grad is None:
@@ -325,15 +334,44 @@ class ShardedFusion:
                 torch._foreach_copy_(views, locals_)
         return fresh
 
+    def _all_new_and_in_place(self, grads: List[Any]) -> bool:
+        """The usual step of a program that sets its gradients to None, in C-level passes: every
+        gradient is new (none shown as a view of the buffer), shaped, typed and placed as its stand-in's
+        view of the flat gradient buffer, and every stand-in is in its slot. Copies them all in with one
+        foreach copy (a parameter without a gradient: its stand-in gets none) and returns True; False,
+        with nothing done, otherwise. (Identity tests only: ``None in grads`` would compare tensors
+        with ``==``, through DTensor's dispatch.)"""
+        has = list(map(operator.is_not, grads, repeat(None)))
+        slots, stand_ins = list(compress(self._slots, has)), list(compress(self.stand_ins, has))
+        grads = list(compress(grads, has))
+        if any(map(operator.is_, slots, repeat(None))) or any(map(operator.is_, grads, compress(self._shown_grads, has))):
+            return False
+        views, locals_ = list(map(_GRAD_VIEW, slots)), list(map(compat.local_shard, grads))
+        if (any(map(operator.is_, views, repeat(None)))
+                or list(map(torch.Tensor.data_ptr, stand_ins)) != list(map(_PARAM_PTR, slots))
+                or list(map(_SHAPE, locals_)) != list(map(_SHAPE, views))
+                or list(map(_DTYPE, locals_)) != list(map(_DTYPE, views))
+                or list(map(_DEVICE, locals_)) != list(map(_DEVICE, views))
+                or any(map(operator.is_, locals_, views))):
+            return False
+        if views:
+            with torch.no_grad():
+                torch._foreach_copy_(views, locals_)
+        for _ in map(setattr, stand_ins, repeat("grad"), views):
+            pass
+        for _ in map(setattr, compress(self.stand_ins, map(operator.not_, has)), repeat("grad"), repeat(None)):
+            pass
+        return True
+
     def _grads_into_buffers(self) -> None:
         """Each DTensor gradient becomes a view of the flat gradient buffer (which holds its values now),
         so that FSDP2 accumulates the next backward into it when gradients are not set to None."""
-        for p, stand_in in zip(self.params, self.stand_ins):
+        for index, (p, stand_in) in enumerate(zip(self.params, self.stand_ins)):
             grad, view = p.grad, stand_in.grad
             shown = self._shown.get((id(p), None))
             if grad is None or view is None or (shown is not None and shown[0] is view and shown[1] is grad):
                 continue
-            p.grad = compat.dtensor_over(view, grad)
+            p.grad = self._shown_grads[index] = compat.dtensor_over(view, grad)
             self._shown[(id(p), None)] = (view, p.grad)
 
     def _whole_parameter_step(self, with_grads) -> None:
@@ -355,7 +393,8 @@ class ShardedFusion:
         self.handles = []
 
 
-_GRAD = operator.attrgetter("grad")
+_GRAD, _GRAD_VIEW, _PARAM_PTR = operator.attrgetter("grad"), operator.attrgetter("grad_view"), operator.attrgetter("param_ptr")
+_SHAPE, _DTYPE, _DEVICE = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
 
 
 _NUMBERS = (int, float, bool)

@@ -59,6 +59,7 @@ __all__ = [
     "size_hint",
     "exception_chain",
     "dtensor_over",
+    "fsdp2_shard_pointers",
 ]
 
 
@@ -606,6 +607,18 @@ def fsdp2_point_shard_at(fsdp_param, padded: torch.Tensor, local: torch.Tensor) 
     ``local`` (a view of ``padded``'s first elements)."""
     fsdp_param._sharded_param_data = padded
     fsdp_param.sharded_param._local_tensor = local
+
+
+_SHARDED_DATA, _SHARDED_PARAM, _LOCAL_TENSOR = (operator.attrgetter("_sharded_param_data"),
+                                                operator.attrgetter("sharded_param"), operator.attrgetter("_local_tensor"))
+
+
+def fsdp2_shard_pointers(fsdp_params) -> List[int]:
+    """Where each FSDP2 parameter's padded shard and its local tensor start (C-level passes: a step
+    checks that nothing re-pointed them)."""
+    data_ptr = torch.Tensor.data_ptr
+    return (list(map(data_ptr, map(_SHARDED_DATA, fsdp_params)))
+            + list(map(data_ptr, map(_LOCAL_TENSOR, map(_SHARDED_PARAM, fsdp_params)))))
 
 
 def fsdp2_shard_points_at(fsdp_param, padded: torch.Tensor) -> bool:

@@ -727,8 +727,15 @@ def _fsdp2_shard_pointers(rank, world):
     padded = torch.zeros(compat.fsdp2_padded_numel(fsdp_param))
     assert padded.numel() == 2 * 4, changed("fsdp2_padded_numel", str(padded.numel()))
     local = padded[: compat.local_shard(weight).numel()].view(compat.local_shard(weight).shape)
+    before = compat.fsdp2_shard_pointers(list(found.values()))
     compat.fsdp2_point_shard_at(fsdp_param, padded, local)
     assert compat.fsdp2_shard_points_at(fsdp_param, padded), changed("fsdp2_point_shard_at")
+    after = compat.fsdp2_shard_pointers(list(found.values()))
+    index = list(found.values()).index(fsdp_param)
+    assert after[index] == after[len(found) + index] == padded.data_ptr() != before[index], changed(
+        "fsdp2_shard_pointers", f"{before} -> {after}")
+    assert [a for i, a in enumerate(after) if i % len(found) != index] == [
+        b for i, b in enumerate(before) if i % len(found) != index], changed("fsdp2_shard_pointers", "others moved")
     padded.fill_(2.0)
     layer(torch.ones(1, 4)).sum().backward()  # FSDP2 all-gathers the padded shard it was pointed at
     full = weight.full_tensor()
@@ -762,7 +769,7 @@ def test_dtensor_over_wraps_the_local_tensor_itself_as_the_dtensor_it_is_like(pr
             assert torch.equal(wrapped.full_tensor(), local), changed("dtensor_over", "other values")
 
 
-TESTED.add("dtensor_over")
+TESTED.update({"dtensor_over", "fsdp2_shard_pointers"})
 
 
 # ------------------------------------------------------------------------------ drop_group_defaults_kept_by_torch
