@@ -127,8 +127,7 @@ class ShardedFusion:
         self._generation = None  # the layout's generation _padded was taken from
         # (id(parameter), state key or None for the gradient) -> (flat view, the DTensor shown over it)
         self._shown: Dict[Any, Any] = {}
-        # id(parameter) -> its state entries' keys and values, and those shown, when last shown
-        self._shown_entries: Dict[int, Any] = {}
+        self._shown_entries: Dict[int, "_Shown"] = {}  # id(parameter) -> what _show_state last made of its state
         # gradients become views of the flat buffer after a step while the program keeps them
         # (zero_grad(set_to_none=False), accumulation): see _fused_shard_step
         self._grads_kept = True  # (until a step shows otherwise)
@@ -308,8 +307,9 @@ class ShardedFusion:
         if self._grad_after_step is not None:
             index, ref = self._grad_after_step
             self._grads_kept = grads[index] is not None and grads[index] is ref()
-        if self._all_new_and_in_place(grads):
-            return sum(map(operator.is_not, grads, repeat(None)))
+        quick = self._grads_quickly(grads)
+        if quick is not None:
+            return quick
         views, locals_, fresh = [], [], 0
         for p, grad, stand_in, slot in zip(self.params, grads, self.stand_ins, self._slots):
             if grad is None:
@@ -334,26 +334,36 @@ class ShardedFusion:
                 torch._foreach_copy_(views, locals_)
         return fresh
 
-    def _all_new_and_in_place(self, grads: List[Any]) -> bool:
-        """The usual step of a program that sets its gradients to None, in C-level passes: every
-        gradient is new (none shown as a view of the buffer), shaped, typed and placed as its stand-in's
-        view of the flat gradient buffer, and every stand-in is in its slot. Copies them all in with one
-        foreach copy (a parameter without a gradient: its stand-in gets none) and returns True; False,
-        with nothing done, otherwise. (Identity tests only: ``None in grads`` would compare tensors
-        with ``==``, through DTensor's dispatch.)"""
+    def _grads_quickly(self, grads: List[Any]) -> Optional[int]:
+        """:meth:`_grads_to_stand_ins` for the usual steps, in C-level passes; None where a gradient
+        needs a look of its own. A program that keeps its gradients: every one is shown as a view of
+        the buffer and its stand-in holds that view (0: nothing new). One that sets them to None: every
+        one is new, shaped, typed and placed as its stand-in's view of the flat gradient buffer, and
+        every stand-in is in its slot: one foreach copy (the number of gradients). A parameter without
+        a gradient: its stand-in gets none. (Identity tests only: ``None in grads`` would compare
+        tensors with ``==``, through DTensor's dispatch.)"""
         has = list(map(operator.is_not, grads, repeat(None)))
         slots, stand_ins = list(compress(self._slots, has)), list(compress(self.stand_ins, has))
         grads = list(compress(grads, has))
-        if any(map(operator.is_, slots, repeat(None))) or any(map(operator.is_, grads, compress(self._shown_grads, has))):
-            return False
-        views, locals_ = list(map(_GRAD_VIEW, slots)), list(map(compat.local_shard, grads))
+        if any(map(operator.is_, slots, repeat(None))):
+            return None
+        views = list(map(_GRAD_VIEW, slots))
+        if all(map(operator.is_, grads, compress(self._shown_grads, has))):
+            if not all(map(operator.is_, map(_GRAD, stand_ins), views)):
+                return None
+            for _ in map(setattr, compress(self.stand_ins, map(operator.not_, has)), repeat("grad"), repeat(None)):
+                pass
+            return 0
+        if any(map(operator.is_, grads, compress(self._shown_grads, has))):
+            return None
+        locals_ = list(map(compat.local_shard, grads))
         if (any(map(operator.is_, views, repeat(None)))
                 or list(map(torch.Tensor.data_ptr, stand_ins)) != list(map(_PARAM_PTR, slots))
                 or list(map(_SHAPE, locals_)) != list(map(_SHAPE, views))
                 or list(map(_DTYPE, locals_)) != list(map(_DTYPE, views))
                 or list(map(_DEVICE, locals_)) != list(map(_DEVICE, views))
                 or any(map(operator.is_, locals_, views))):
-            return False
+            return None
         if views:
             with torch.no_grad():
                 torch._foreach_copy_(views, locals_)
@@ -361,7 +371,7 @@ class ShardedFusion:
             pass
         for _ in map(setattr, compress(self.stand_ins, map(operator.not_, has)), repeat("grad"), repeat(None)):
             pass
-        return True
+        return len(views)
 
     def _grads_into_buffers(self) -> None:
         """Each DTensor gradient becomes a view of the flat gradient buffer (which holds its values now),
