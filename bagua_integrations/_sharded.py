@@ -273,7 +273,7 @@ class ShardedFusion:
         """The shard optimizer's fused step on this rank's shards (the optimizer's own DTensor step
         where a shard cannot be stepped in flat runs this step)."""
         fresh = self._grads_to_stand_ins()
-        versions = compat.tensor_versions(self._flat_grads)
+        versions, generation = compat.tensor_versions(self._flat_grads), self._generation
         self._sync_settings(optimizer, self.shard_optimizer)
         from .fused_optimizer import NeedsWholeParameters, _fused_step
 
@@ -286,7 +286,8 @@ class ShardedFusion:
         self._follow_layout()
         self._sync_settings(self.shard_optimizer, optimizer)
         self._show_state()
-        if fresh and (self._grads_kept or compat.tensor_versions(self._flat_grads) != versions):
+        relaid = self._generation != generation  # (new flat buffers: shown gradients are views of the old)
+        if (fresh or relaid) and (self._grads_kept or relaid or compat.tensor_versions(self._flat_grads) != versions):
             # (also where the step wrote the gradients, as BertAdam's clipping does: the parameters'
             # .grad then shows the written values, as after the unfused step)
             self._grads_into_buffers()
@@ -349,8 +350,9 @@ class ShardedFusion:
             return None
         views = list(map(_GRAD_VIEW, slots))
         if all(map(operator.is_, grads, compress(self._shown_grads, has))):
-            if not all(map(operator.is_, map(_GRAD, stand_ins), views)):
-                return None
+            if not (all(map(operator.is_, map(_GRAD, stand_ins), views))
+                    and all(map(operator.is_, map(compat.local_shard, grads), views))):
+                return None  # (shown over another buffer's views: the group was laid out anew)
             for _ in map(setattr, compress(self.stand_ins, map(operator.not_, has)), repeat("grad"), repeat(None)):
                 pass
             return 0

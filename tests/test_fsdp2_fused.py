@@ -346,16 +346,19 @@ def _unfused_again(rank, world):
     return _worst(_full(model), _full(reference))
 
 
-def _clipping_switched_on(rank, world):
+def _clipping_switched_on(rank, world, kept=False):
     """BertAdam without clipping (elementwise) for 3 steps, then with it (segmented): the group is laid
-    out anew in new flat buffers, and FSDP2 must all-gather from those."""
+    out anew in new flat buffers, and FSDP2 must all-gather from those. ``kept``: gradients zeroed in
+    place and accumulated over two backwards, so FSDP2 must accumulate into the new gradient buffer."""
     from bagua_integrations import fuse_optimizer, fusion_report
 
+    how = dict(micro_batches=2, set_to_none=False) if kept else {}
+
     def train(model, opt):
-        _train(model, opt, 3, rank)
+        _train(model, opt, 3, rank, **how)
         for group in opt.param_groups:
             group["max_grad_norm"] = 1.0
-        _train(model, opt, STEPS - 3, rank, start=3)
+        _train(model, opt, STEPS - 3, rank, start=3, **how)
 
     reference = _model(world)
     plain = _make("bertadam", reference.parameters())
@@ -375,6 +378,7 @@ def _clipping_switched_on(rank, world):
 
 SCENARIOS = {
     "clipping-switched-on": _clipping_switched_on,
+    "clipping-switched-on-kept": functools.partial(_clipping_switched_on, kept=True),
     "hsdp-bertadam": functools.partial(_fused_vs_unfused, name="bertadam", hsdp=True),
     "assign-state": _fsdp2_repoints_its_shards,
     "unfuse": _unfused_again,
@@ -558,8 +562,9 @@ def test_unfuse_continues_with_the_optimizers_own_step():
         assert worst < RTOL, worst
 
 
-def test_a_group_laid_out_anew_mid_run_stays_what_fsdp2_all_gathers():
-    for worst, paths in _value(2, "clipping-switched-on"):
+@pytest.mark.parametrize("grads", ["set-to-none", "kept"])
+def test_a_group_laid_out_anew_mid_run_stays_what_fsdp2_all_gathers(grads):
+    for worst, paths in _value(2, "clipping-switched-on" + ("-kept" if grads == "kept" else "")):
         assert paths == [["elementwise"], ["segmented"]], paths
         assert worst < RTOL, worst
 
