@@ -41,6 +41,7 @@ from . import _torch_compat as compat
 from ._flat import SHARD_ATTR, ShardOf
 from ._layout import FlatLayout, FusionConfig, is_sharded
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
+from ._planner import _GRAD, _GRAD_VIEW, _META, _NUMBERS, _PARAM_PTR
 from ._segmented import ShardGroup
 from ._optimizer_copy import optimizer_like
 from ._torch_compat import mark_step_taken, unwrapped_step
@@ -361,9 +362,7 @@ class ShardedFusion:
         locals_ = list(map(compat.local_shard, grads))
         if (any(map(operator.is_, views, repeat(None)))
                 or list(map(torch.Tensor.data_ptr, stand_ins)) != list(map(_PARAM_PTR, slots))
-                or list(map(_SHAPE, locals_)) != list(map(_SHAPE, views))
-                or list(map(_DTYPE, locals_)) != list(map(_DTYPE, views))
-                or list(map(_DEVICE, locals_)) != list(map(_DEVICE, views))
+                or list(map(_META, locals_)) != list(map(_META, views))
                 or any(map(operator.is_, locals_, views))):
             return None
         if views:
@@ -403,13 +402,6 @@ class ShardedFusion:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-
-_GRAD, _GRAD_VIEW, _PARAM_PTR = operator.attrgetter("grad"), operator.attrgetter("grad_view"), operator.attrgetter("param_ptr")
-_SHAPE, _DTYPE, _DEVICE = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
-
-
-_NUMBERS = (int, float, bool)
 
 
 def _same_or_numbers(a, b) -> bool:
