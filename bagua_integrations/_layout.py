@@ -19,7 +19,7 @@ import torch
 from ._flat import FlatBuffer, Slot, slot_room
 from ._verify import verify_every
 from ._paths import settings_signature, SEGMENTED, PathChooser
-from ._segmented import MAX_RANK
+from ._segmented import MAX_RANK, size_key
 from .errors import FusionFallbackWarning, NotElementwiseError, ShardedParameterError, SharedParameterError
 
 try:  # public from torch 2.5 (the oldest supported release)
@@ -137,6 +137,7 @@ class GroupLayout:
         self.across_runs: Tuple[str, ...] = ()
         self.lone_lists_over_runs = False  # segmented: _paths.GroupPath.lone_lists_over_runs
         self.value_branches = False  # segmented: _paths.GroupPath.value_branches
+        self.size_dims: Tuple[int, ...] = ()  # segmented: _paths.GroupPath.size_dims
 
     @property
     def path_why(self) -> str:
@@ -296,12 +297,14 @@ class FlatLayout:
                 layout.across_runs = path.across_runs
                 layout.lone_lists_over_runs = path.lone_lists_over_runs
                 layout.value_branches = path.value_branches
+                layout.size_dims = path.size_dims
             if reason is None and not self.config.do_flatten and not FlatBuffer.adoptable(members):
                 reason = "do_flatten=False and its parameters are not already contiguous in memory"
             if reason is not None:
                 self._keep_per_tensor(index, group, members, reason)
                 continue
-            layout.buffers.append(self._flat_buffer(members, by_rank=segmented))
+            layout.buffers.append(self._flat_buffer(members, by_rank=segmented,
+                                                    size_dims=layout.size_dims if segmented else ()))
 
     def _keep_per_tensor(self, index, group, members, reason: str) -> None:
         cls = type(self.optimizer).__name__
@@ -322,12 +325,17 @@ class FlatLayout:
                 self.reasons[self._param_name(group, index, i, p)] = reason
         self.groups[index].per_tensor.extend(members)
 
-    def _flat_buffer(self, members: List[torch.Tensor], by_rank: bool = False) -> FlatBuffer:
+    def _flat_buffer(self, members: List[torch.Tensor], by_rank: bool = False, size_dims: Tuple[int, ...] = ()) -> FlatBuffer:
         if self.config.do_flatten:
             # Trainable parameters first: frozen ones never get gradients and would split runs;
-            # segmented runs hold one rank, so parameters of equal rank sit together.
-            members = sorted(members, key=lambda p: (not p.requires_grad, p.dim() if by_rank else 0))
+            # segmented runs hold one rank, so parameters of equal rank sit together, and of equal
+            # sizes where the step reads them (``size_dims``: a run's parameters share those).
+            members = sorted(members, key=lambda p: (not p.requires_grad, p.dim() if by_rank else 0,
+                                                     size_key(p.shape, size_dims)))
         buffer = FlatBuffer(members, flatten=self.config.do_flatten)
+        if size_dims:
+            for slot in buffer.slots:  # (classes the planner cuts runs by: see split_where_branches_differ)
+                slot.branch = ("sizes",) + size_key(slot.param.shape, size_dims)
         for slot in buffer.slots:
             if slot.param.requires_grad:
                 self.hooks.add(slot, slot.param.register_post_accumulate_grad_hook(self._grad_hook(buffer, slot)))

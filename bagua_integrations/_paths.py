@@ -56,6 +56,9 @@ class GroupPath:
     # segmented: it branches in Python on one value per parameter (``if norm == 0:``); a step whose
     # parameters would take different ways is undone and taken per parameter (_segmented.BranchesDisagree)
     value_branches: bool = False
+    # segmented: dimensions whose size its step reads from a parameter (``p.size(1)``); its runs are
+    # cut where those sizes change (_segmented.size_key)
+    size_dims: Tuple[int, ...] = ()
 
     @property
     def refusal(self) -> Optional[str]:
@@ -75,6 +78,14 @@ def wrapper_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
         if isinstance(attr, property) and attr.fset is None:
             return (f"{cls.__name__} is a wrapper whose '{name}' is the optimizer it wraps (a read-only property); "
                     "fuse the inner optimizer before wrapping it to fuse anything")
+    # A list of the parameters kept apart from param_groups (L-BFGS's ``_params``, taken at
+    # construction): its step would update those, not the tensors a fused step hands it.
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for name, value in vars(optimizer).items():
+        if name not in ("param_groups", "state", "defaults") and isinstance(value, (list, tuple)) and any(
+                id(v) in params for v in value if isinstance(v, torch.Tensor)):
+            return (f"{cls.__name__} keeps its own list of the parameters ('{name}') apart from its param_groups, "
+                    "so its step would not see the flat tensors a fused step hands it")
     return None
 
 
@@ -140,7 +151,7 @@ class PathChooser:
         probed = self._probe(group, device, template)
         return GroupPath(probed.path, f"probed again with its state after its step {because}: {probed.why}",
                          probed.mixing, probed.first_step_on_runs, probed.across_runs, probed.lone_lists_over_runs,
-                         probed.value_branches)
+                         probed.value_branches, probed.size_dims)
 
     def remember(self, group: Dict[str, Any], device: torch.device, path: GroupPath) -> None:
         """Make ``path`` the group's path under its current settings (laying it out again takes it)."""
@@ -182,8 +193,12 @@ class PathChooser:
                 lone_lists_over_runs=lone) is None
             branches = ("; it branches on per-parameter values (`if norm == 0:`): a step whose parameters go "
                         "different ways is taken per parameter" if notes.value_branches else "")
+            size_dims = tuple(sorted(notes.size_dims))
+            if size_dims:
+                branches += (f"; it reads each parameter's size along dimension(s) {', '.join(map(str, size_dims))}: "
+                             "its runs hold parameters of equal sizes there")
             return GroupPath(SEGMENTED, f"not elementwise ({not_elementwise}); elementwise apart from reductions "
                                         f"over whole parameters, which are computed per parameter{branches}",
                              first_step_on_runs=first_on_runs, across_runs=tuple(sorted(notes.across_runs)),
-                             lone_lists_over_runs=lone, value_branches=notes.value_branches)
+                             lone_lists_over_runs=lone, value_branches=notes.value_branches, size_dims=size_dims)
         return GroupPath(PER_TENSOR, f"{not_elementwise}; with per-parameter reductions: {not_segmented}")

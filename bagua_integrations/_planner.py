@@ -277,7 +277,8 @@ class StepPlanner:
         # tensor of its segments' values, and each parameter's view of it (see _segment_state)
         self._segment_states: Dict[Tuple[Any, ...], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
         self._first_stepped: set = set()  # ids of FIRST_STEP slots that took their first step per tensor
-        self._branch_classes: Dict[Tuple[int, bool], int] = {}  # (slot.branch, way taken) -> the slot's new class
+        # (slot.branch, way taken or size read) -> the slot's new class (_segmented.BranchesDisagree)
+        self._branch_classes: Dict[Tuple[Any, Any], int] = {}
         self._state_seen: Optional[StateWatch] = None  # the state as the last write-back left it
         # Set when this step may have replaced or added a state object after plan()'s check (see
         # _put): write_back() then compares the state with the watch instead of only re-reading
@@ -425,15 +426,16 @@ class StepPlanner:
         self._state_written = True  # the optimizer steps each parameter's own state entry
         return plan
 
-    def split_where_branches_differ(self, plan: StepPlan, seg: Segmentation, taken: Optional[List[bool]]) -> None:
-        """Cut the run of ``seg`` where its parameters took different ways at a Python branch, for
-        the steps to come: each part then takes one way, as long as they keep to them. (``taken``
-        None: a value read that differed, not a branch; cutting by value would leave no runs.)"""
+    def split_where_branches_differ(self, plan: StepPlan, seg: Segmentation, taken: Optional[List[Any]]) -> None:
+        """Cut the run of ``seg`` where its parameters took different ways at a Python branch (or
+        differ in a size the step read: ``SizesDisagree``), for the steps to come: each part then
+        takes one way, as long as they keep to them. (``taken`` None: a value read that differed,
+        not a branch; cutting by value would leave no runs.)"""
         run = next((run for run in plan.runs if run.segmentation is seg), None)
         if run is None or taken is None:
             return
         for slot, way in zip(run.slots, taken):
-            slot.branch = self._branch_classes.setdefault((slot.branch, bool(way)), len(self._branch_classes) + 1)
+            slot.branch = self._branch_classes.setdefault((slot.branch, way), len(self._branch_classes) + 1)
         self.tokens_stale = True
 
     def per_parameter(self, plan: StepPlan, swapped_state, call_params: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:

@@ -24,8 +24,8 @@ from torch.overrides import TorchFunctionMode
 from ._late_reductions import _SIZE_READS, watched
 from ._nested_state import leaf_at, structure, tensor_leaves, with_leaves
 from ._optimizer_copy import optimizer_like
-from ._segmented import (_PYTHON_VALUES, _SCALAR_READS, StepNotes, Segmentation, SegmentedMode, run_shape,
-                         segment_views, state_kind)
+from ._segmented import (_PYTHON_VALUES, _SCALAR_READS, SizesDisagree, StepNotes, Segmentation, SegmentedMode,
+                         run_shape, segment_views, size_key, state_kind)
 from ._torch_compat import tensor_version
 from .errors import FusionError
 
@@ -211,22 +211,38 @@ class _Closure:
 
     def __init__(self):
         self.calls = 0
+        self.given = 0  # steps given this closure
+        self.in_step = 0  # calls within the step being taken
 
     def __call__(self):
+        # a loss that changes with each call of one step, as re-evaluating a model that moved does:
+        # a step that iterates until its loss settles (L-BFGS) then calls its closure more than once
         self.calls += 1
-        return torch.tensor(0.75)
+        self.in_step += 1
+        return torch.tensor(0.75 / self.in_step)
 
     def step(self, step, optimizer, n: int) -> None:
         """The probe's ``n``-th step: the first one without a closure (a step that cannot run
         without one evaluates the model itself: L-BFGS, SAM, line searches), the others with this
-        one where the step takes a closure."""
+        one where the step takes a closure. A first step that fails without one is given it too:
+        a step that reads the loss from its closure (AliG: ``step(lambda: float(loss))``) runs
+        fused, and one that calls it more than once a step still shows (:meth:`reevaluates`)."""
+        self.in_step = 0
         if n > 0 and _takes_closure(step, optimizer):
+            self.given += 1
             step(optimizer, self)
-        else:
+            return
+        try:
             step(optimizer)
+        except Exception:
+            if not _takes_closure(step, optimizer):
+                raise
+            self.given += 1
+            self.in_step = 0
+            step(optimizer, self)
 
-    def reevaluates(self, steps: int) -> Optional[str]:
-        if self.calls > steps:
+    def reevaluates(self) -> Optional[str]:
+        if self.calls > self.given:
             return ("its step calls the closure more than once per step (it re-evaluates the model), so it "
                     "runs unfused with the closure")
         return None
@@ -399,7 +415,7 @@ def probe_elementwise(
                     mixing |= watch.findings[0]
         except Exception as exc:  # the probe reports; the caller decides whether to raise
             return f"its step raised {type(exc).__name__} on synthetic tensors ({exc})"
-    reason = closure.reevaluates(2 * (_PROBE_STEPS - 1))
+    reason = closure.reevaluates()
     if reason:
         return reason
     if sizes.read:
@@ -476,6 +492,7 @@ def probe_segmented(
     optimizer: torch.optim.Optimizer, group: Dict[str, Any], device: torch.device,
     template: Optional[torch.Tensor] = None, known_reductions_only: bool = False, first_step_on_runs: bool = False,
     notes: Optional[StepNotes] = None, lone_lists_over_runs: bool = False, ranks: Optional[Tuple[int, ...]] = None,
+    size_dims: Tuple[int, ...] = (),
 ) -> Optional[str]:
     """Return ``None`` if ``optimizer``'s step is exact on segmented runs (``_segmented.py``), else why not.
 
@@ -490,6 +507,9 @@ def probe_segmented(
     later ones on the runs under :class:`SegmentedMode`; parameters and state must equal the
     per-tensor optimizer's. Seeded, like :func:`probe_elementwise`, with the group's state where it
     has some (``template``'s where given).
+
+    A step that reads a parameter's size along a dimension (``p.size(1)``) is probed again with
+    runs cut where that size changes (``size_dims``), as the layout then cuts them.
     """
     generator = torch.Generator().manual_seed(1234)
     init, grads = _synthetic(device, torch.float32, generator)
@@ -498,13 +518,18 @@ def probe_segmented(
         init, grads = [init[i] for i in keep], [[g[i] for i in keep] for g in grads]
     per_tensor = [torch.nn.Parameter(t.clone()) for t in init]
     runs = []  # (proxy, segmentation, indices into the synthetic tensors)
-    for rank in sorted({t.dim() for t in init}):
-        indices = [i for i, t in enumerate(init) if t.dim() == rank]
+    lengths, tags = set(), Counter()  # the runs of one call differ in shape and in segment scalar shape
+    for rank, sizes in sorted({(t.dim(), size_key(t.shape, size_dims)) for t in init}):
+        indices = [i for i, t in enumerate(init) if t.dim() == rank and size_key(t.shape, size_dims) == sizes]
         pieces, cursor = [], 0
         for i in indices:
             pieces.append((cursor, cursor + init[i].numel(), init[i].shape))
             cursor += init[i].numel() + _PADDING
-        seg = Segmentation(run_shape(rank, cursor), pieces)
+        while (rank, cursor) in lengths:
+            cursor += 1
+        lengths.add((rank, cursor))
+        tags[len(pieces)] += 1
+        seg = Segmentation(run_shape(rank, cursor), pieces, tag=tags[len(pieces)] - 1)
         flat = torch.zeros(cursor, device=device)
         for (start, end, _), i in zip(pieces, indices):
             flat[start:end] = init[i].reshape(-1)
@@ -526,6 +551,7 @@ def probe_segmented(
         opt_b.state[view] = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
     step = type(optimizer).step
     closure = _Closure()
+    cut_by = None  # a dimension whose size the step reads, which the runs' parameters do not share
     with _untouched(optimizer):
         try:
             for n, step_grads in enumerate(grads):
@@ -549,9 +575,16 @@ def probe_segmented(
                 with SegmentedMode([seg for _, seg, _ in runs], known_reductions_only=known_reductions_only,
                                    lone_lists_over_runs=lone_lists_over_runs, notes=notes):
                     closure.step(step, opt_b, n)
+        except SizesDisagree as exc:
+            if exc.dim in size_dims:
+                return f"its step raised {type(exc).__name__} on segmented synthetic tensors ({exc})"
+            cut_by = exc.dim
         except Exception as exc:  # NotSegmentable, or anything else: the probe reports
             return f"its step raised {type(exc).__name__} on segmented synthetic tensors ({exc})"
-    reason = closure.reevaluates(2 * (_PROBE_STEPS - 1))
+    if cut_by is not None:  # probed again on runs cut where that size changes
+        return probe_segmented(optimizer, group, device, template, known_reductions_only, first_step_on_runs, notes,
+                               lone_lists_over_runs, ranks, size_dims + (cut_by,))
+    reason = closure.reevaluates()
     if reason:
         return reason
     try:

@@ -48,8 +48,8 @@ from torch.overrides import TorchFunctionMode
 
 from ._foreach import element_calls
 
-__all__ = ["Segmentation", "SegmentedMode", "StepNotes", "NotSegmentable", "BranchesDisagree", "segment_views", "MAX_RANK",
-           "segment_scalar_shape", "state_kind"]
+__all__ = ["Segmentation", "SegmentedMode", "StepNotes", "NotSegmentable", "BranchesDisagree", "SizesDisagree",
+           "segment_views", "MAX_RANK", "segment_scalar_shape", "size_key", "state_kind"]
 
 MAX_RANK = 4  # proxies have rank 1..4; segment scalars rank 5, 7, 9, ... and lists over runs 6: they never collide
 _SCALAR_TRAILING = (1,) * MAX_RANK
@@ -94,6 +94,9 @@ class StepNotes:
     lone_lists: bool = False
     # it branched in Python on one value per parameter (``if norm == 0:``), every parameter the same way
     value_branches: bool = False
+    # dimensions whose size it read from a parameter (``p.size(1)``: Amos's fan-in), every parameter of
+    # a run the same (runs are cut where these sizes change: ``size_key``)
+    size_dims: set = field(default_factory=set)
 
 
 class NotSegmentable(RuntimeError):
@@ -110,6 +113,23 @@ class BranchesDisagree(NotSegmentable):
     def __init__(self, message: str, segmentation: "Segmentation", taken: Optional[List[bool]]):
         super().__init__(message)
         self.segmentation, self.taken = segmentation, taken
+
+
+class SizesDisagree(BranchesDisagree):
+    """The step reads one dimension's size of a parameter (``p.size(1)``) on a run whose parameters
+    differ in it. Runs cut by :func:`size_key` over the dimensions the probes saw read never do;
+    ``taken`` holds each segment's size (the planner cuts the run there for later steps)."""
+
+    def __init__(self, message: str, segmentation: "Segmentation", taken: List[int], dim: int):
+        super().__init__(message, segmentation, taken)
+        self.dim = dim
+
+
+def size_key(shape: torch.Size, dims: Iterable[int]) -> Tuple[int, ...]:
+    """The sizes of ``shape`` along ``dims`` that a step reads (-1 where it has no such dimension):
+    parameters of one run must share it (see :class:`SizesDisagree`)."""
+    rank = len(shape)
+    return tuple(shape[d] if -rank <= d < rank else -1 for d in dims)
 
 
 def segment_scalar_shape(segments: int, tag: int = 0) -> Tuple[int, ...]:
@@ -618,6 +638,22 @@ class SegmentedMode(TorchFunctionMode):
         raise BranchesDisagree(f"the step reads one value per parameter into Python ({_name(func)}), and they "
                                "differ between parameters", seg, None)
 
+    def _size_per_parameter(self, seg: Segmentation, args, kwargs) -> int:
+        """``p.size(d)`` of a run: its parameters' size along ``d`` (a fan-in, Amos's target scale),
+        where they share it; a run's own size there is 1 (or its length) for every parameter."""
+        dim = args[1] if len(args) > 1 else kwargs["dim"]
+        args[0].size(dim)  # (a dimension the run lacks, its parameters lack too: the same error)
+        if self.known_reductions_only:
+            raise NotSegmentable("the step reads a parameter's size along a dimension, which a shard does not have "
+                                 "whole")
+        values = [shape[dim] for _, _, shape in seg.pieces]
+        if any(v != values[0] for v in values):
+            raise SizesDisagree(f"the step reads each parameter's size along dimension {dim} (size({dim})), and the "
+                                "parameters of a run differ in it", seg.parent or seg, values, dim)
+        if not torch.compiler.is_compiling():
+            self.notes.size_dims.add(dim)
+        return values[0]
+
     # ------------------------------------------------------------------ what a tensor is
     def _kind(self, t: torch.Tensor) -> Tuple[str, Optional[Segmentation]]:
         shape = tuple(t.shape)
@@ -675,6 +711,9 @@ class SegmentedMode(TorchFunctionMode):
         if len(segs) > 1:
             raise NotSegmentable(f"{_name(func)} mixes tensors of two different runs")
         (seg,) = segs.values()
+        if func is torch.Tensor.size and kinds == {"run"} and isinstance(args[0], torch.Tensor) and (
+                len(args) > 1 or "dim" in kwargs):
+            return self._size_per_parameter(seg, args, kwargs)
         if func in _PYTHON_VALUES or (func in _SCALAR_READS and (kinds == {"scalar"} or _one_value_run(
                 next(iter(kinds)), seg))):
             # ``if norm == 0:`` per parameter: exact where every parameter goes the same way

@@ -34,9 +34,18 @@ COMPILED_RTOL = 1e-4  # compiled: fused multiply-adds round differently, compoun
 # Optimizers whose step needs something a plain loop does not give (a closure that it calls
 # twice, a second backward, a Hessian, an LR it finds by itself with a closure, ...): they are
 # run with a closure; those that still do not run unfused are left out as "does not run".
+# What their users must pass, as their documentation says: constructor arguments without a
+# default, and the closure form (AliG reads the loss: ``step(lambda: float(loss))``).
 _KWARGS: Dict[str, dict] = {
-    "lr": {},
+    "ranger21": {"num_iterations": STEPS},
+    "bsam": {"num_data": 6 * STEPS},
+    "alig": {"max_lr": 1.0},  # its learning rate: the Polyak step loss / |g|^2 is clipped to it
 }
+_LOSS_CLOSURE = {"alig"}
+_CREATE_GRAPH = {"adahessian", "sophiah"}  # Hutchinson's Hessian estimate: ``loss.backward(create_graph=True)``
+# Muon and its kin take param groups that say which parameters Muon updates (``use_muon``): the
+# matrices (and the conv weight, which they flatten), and AdamW for the rest.
+_USE_MUON = {"muon", "adamuon", "adago", "distributedmuon", "muonclip", "normuon"}
 
 
 class SweepNet(torch.nn.Module):
@@ -72,25 +81,32 @@ def _schedule(opt, compiled: bool):
     return None
 
 
-def _train(model, opt, data, step, scheduler=None, with_closure=True):
+def _train(model, opt, data, step, scheduler=None, with_closure=True, loss_closure=False, create_graph=False):
     for x, y in data:
         def closure():
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            loss.backward(create_graph=create_graph)
             return loss
 
-        closure()
-        step(closure) if with_closure else step()
+        loss = closure()
+        if loss_closure:
+            step(lambda: float(loss))
+        else:
+            step(closure) if with_closure else step()
         if scheduler is not None:
             scheduler.step()
 
 
-def _build(cls, model):
+def _build(cls, model, name=""):
+    groups = model.groups()
+    if name in _USE_MUON:
+        groups = [dict(group, use_muon=index == 0) for index, group in enumerate(groups)]
+    kwargs = _KWARGS.get(name, {})
     try:
-        return cls(model.groups(), lr=1e-2)
+        return cls(groups, lr=1e-2, **kwargs)
     except TypeError:
-        return cls(model.groups())
+        return cls(groups, **kwargs)
 
 
 @dataclass
@@ -110,16 +126,18 @@ def sweep_one(name: str, cls, compiled: bool = False) -> Outcome:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 probe_model = SweepNet()
-                ref = _build(cls, probe_model)
-                _train(probe_model, ref, data[:1], ref.step, with_closure=False)
+                ref = _build(cls, probe_model, name)
+                _train(probe_model, ref, data[:1], ref.step, with_closure=False, loss_closure=name in _LOSS_CLOSURE,
+                       create_graph=name in _CREATE_GRAPH)
         except Exception:
             with_closure = True
     ref_model = SweepNet()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ref = _build(cls, ref_model)
-            _train(ref_model, ref, data, ref.step, _schedule(ref, compiled), with_closure)
+            ref = _build(cls, ref_model, name)
+            _train(ref_model, ref, data, ref.step, _schedule(ref, compiled), with_closure, name in _LOSS_CLOSURE,
+                   name in _CREATE_GRAPH)
         if not all(torch.isfinite(p).all() for p in ref_model.parameters()):
             return Outcome(name, "does-not-run", "non-finite parameters unfused")
     except Exception as exc:  # the optimizer itself does not run on a plain loop
@@ -128,9 +146,10 @@ def sweep_one(name: str, cls, compiled: bool = False) -> Outcome:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            opt = _build(cls, model)
+            opt = _build(cls, model, name)
             fuse_optimizer(opt, compile=True if compiled else "auto")
-            _train(model, opt, data, opt.fuse_step, _schedule(opt, compiled), with_closure)
+            _train(model, opt, data, opt.fuse_step, _schedule(opt, compiled), with_closure, name in _LOSS_CLOSURE,
+                   name in _CREATE_GRAPH)
     except FusionError as exc:
         return Outcome(name, "refused", f"{type(exc).__name__}: {exc}"[:300])
     except Exception as exc:

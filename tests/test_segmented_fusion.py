@@ -1105,3 +1105,65 @@ def test_the_probe_sees_rank_four_rules_size_thresholds_and_means_over_padding(c
     worst, _, fused = _fused_vs_unfused(lambda ps: cls(ps), shapes, on_unsupported="fallback")
     assert worst <= 1e-5, worst
     assert fusion_report(fused).group_paths != ["elementwise"]
+
+
+# =========================================================================== sizes read per parameter
+class FanInMomentum(torch.optim.Optimizer):
+    """Momentum on the gradient's direction, scaled by ``1 / sqrt(fan-in)`` of each weight matrix,
+    read as ``p.size(1)`` (Amos's target scale, muP-style learning rates): a run's proxy has size 1
+    there, so a segmented step must read each parameter's own size, and its runs must hold
+    parameters that share it."""
+
+    def __init__(self, params, lr=0.1, beta=0.9):
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["momentum"] = torch.zeros_like(p)
+                scale = 1.0 / p.size(1) ** 0.5 if p.dim() > 1 else 0.5
+                state["momentum"].mul_(group["beta"]).add_(p.grad / (p.grad.norm() + 1e-8))
+                p.add_(state["momentum"], alpha=-group["lr"] * scale)
+
+
+class FanNet(torch.nn.Module):
+    """Weights of fan-in 8, 16, 16 and 8, in that order: one rank, two sizes along dimension 1."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(
+            [torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)])
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_compiler)], ids=["eager", "compiled"])
+def test_a_size_read_per_parameter_is_each_parameters_and_cuts_runs_where_it_changes(compiled):
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)) for _ in range(6)]
+    a, b = FanNet(), FanNet()
+    plain = FanInMomentum(a.parameters())
+    fused = fuse_optimizer(FanInMomentum(b.parameters()), compile=compiled)
+    train(a, plain, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusionFallbackWarning)  # no step taken per parameter
+        train(b, fused, data, step=fused.fuse_step)
+    tolerance = dict(rtol=2e-5, atol=1e-6) if compiled else {}
+    assert_same_params(a, b, **tolerance)
+    assert_same_state(plain, fused, **tolerance)
+    report = fusion_report(fused)
+    assert report.group_paths == ["segmented"], report.group_why
+    assert "dimension(s) 1" in report.group_why[0], report.group_why
+    # the biases, and the weights of fan-in 8 and of fan-in 16: three runs, none taken per parameter
+    assert report.fused_params == 8 and report.flat_runs == 3 and report.branch_fallback_steps == 0, report
+    if compiled:
+        assert report.compiled, report

@@ -23,7 +23,7 @@ from bagua_integrations import (
     fuse_optimizer,
     fusion_report,
 )
-from bagua_integrations import _segmented
+from bagua_integrations import _probe, _segmented
 from bagua_integrations import fused_optimizer as fused_module
 from bagua_integrations.report import main as report_main
 
@@ -33,7 +33,7 @@ from _fused_utils import TinyNet, assert_same_params, assert_same_state, batches
 # =========================================================================== the real collection
 # a regression floor per collection (pytorch-optimizer 4.1.0, torch-optimizer 0.3.0): (segmented,
 # through flat buffers, dry-run optimizers); a mechanism that breaks drops these counts
-_FLOORS = {"pytorch_optimizer": (23, 83, 50), "torch_optimizer": (1, 17, 12)}
+_FLOORS = {"pytorch_optimizer": (24, 85, 50), "torch_optimizer": (1, 17, 12)}
 
 
 @pytest.mark.parametrize("collection", sorted(_FLOORS))
@@ -68,7 +68,9 @@ def test_optimizer_collection_is_fused_exactly_or_runs_its_own_step(monkeypatch,
 
 @pytest.mark.parametrize("name", ["lamb", "lars", "novograd", "stableadamw",
                                   # Python lists over runs, counts of elements, (1,)-shaped state
-                                  "avagrad", "adai", "adams", "adanorm", "a2grad", "adagc", "adamwsn"])
+                                  "avagrad", "adai", "adams", "adanorm", "a2grad", "adagc", "adamwsn",
+                                  # a parameter's size read per parameter (Amos's p.size(1))
+                                  "amos"])
 def test_pytorch_optimizer_norm_based_optimizers_are_segmented(name):
     pytest.importorskip("pytorch_optimizer")
     from _optimizer_sweep import optimizer_classes, sweep_one
@@ -929,6 +931,40 @@ def test_a_step_without_the_loss_of_the_closure_must_differ(monkeypatch):
     fused, _ = _ranked_run(LossScaledSGD, fused=True, closure=True)
     with pytest.raises(AssertionError):
         assert_same_params(plain, fused)
+
+
+class PolyakSGD(torch.optim.Optimizer):
+    """AliG-style: needs the loss from its closure (``step(lambda: float(loss))``), and refuses to
+    step without one; its step size is the loss, clipped to ``max_lr``."""
+
+    def __init__(self, params, max_lr=0.1):
+        super().__init__(params, dict(max_lr=max_lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is None:
+            raise RuntimeError("PolyakSGD requires a closure that returns the loss")
+        with torch.enable_grad():
+            loss = float(closure())
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-min(group["max_lr"], loss))
+        return loss
+
+
+def test_an_optimizer_that_needs_the_loss_of_its_closure_is_fused(monkeypatch):
+    """Its probes give it a closure when its first step fails without one (a deliberately broken
+    probe that never does keeps it on its own step)."""
+    plain, _ = _ranked_run(PolyakSGD, fused=False, closure=True)
+    fused, opt = _ranked_run(PolyakSGD, fused=True, closure=True)
+    assert fusion_report(opt).group_paths == ["elementwise"], fusion_report(opt).group_why
+    assert_same_params(plain, fused)
+    monkeypatch.setattr(_probe._Closure, "step", lambda self, step, optimizer, n: (
+        step(optimizer, self) if n > 0 else step(optimizer)))
+    with pytest.warns(FusionFallbackWarning, match="requires a closure"):
+        _, broken = _ranked_run(PolyakSGD, fused=True, closure=True)
+    assert fusion_report(broken).group_paths == ["per-tensor"]
 
 
 def test_an_optimizer_that_re_evaluates_through_its_closure_keeps_its_own_step():
