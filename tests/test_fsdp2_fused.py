@@ -392,7 +392,7 @@ SCENARIOS = {
     "verify-broken-lamb": functools.partial(_verified, name="lamb", broken=True),
     **{f"big-batch-{name}": functools.partial(_fused_vs_big_batch, name=name)
        for name in ("lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS", "pytorch_optimizer.AvaGrad",
-                    "pytorch_optimizer.Adai")},
+                    "pytorch_optimizer.Adai", "pytorch_optimizer.Amos")},
     **{f"accumulated-{name}": functools.partial(_accumulated_gradients, name=name) for name in ("adamw", "bertadam")},
     **{f"gradient-modes-{name}": functools.partial(_gradient_modes, name=name) for name in ("adamw", "lamb", "bertadam")},
     **{f"mixed-precision-{name}": functools.partial(_mixed_precision, name=name) for name in ("adamw", "lamb")},
@@ -498,6 +498,15 @@ def test_fused_on_shards_equals_one_unsharded_model_on_the_whole_batch(world, na
     for worst, paths in _value(world, f"big-batch-{name}"):
         assert paths == ["segmented"], paths
         assert worst < RTOL, f"{name}: relative difference {worst:.2e} to the unsharded big-batch run"
+
+
+def test_a_size_read_per_parameter_on_shards_keeps_the_exact_step():
+    """Amos reads each parameter's fan-in (``p.size(1)``): a shard's sizes are not its parameter's,
+    so over shards its step is its own, exact, against one unsharded model on the whole batch."""
+    pytest.importorskip("pytorch_optimizer")
+    for worst, paths in _value(2, "big-batch-pytorch_optimizer.Amos"):
+        assert paths == ["per-tensor"], paths
+        assert worst < RTOL, f"relative difference {worst:.2e} to the unsharded big-batch run"
 
 
 @pytest.mark.parametrize("name", ["adamw", "bertadam", "lamb"])
