@@ -78,6 +78,24 @@ _RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tenso
              torch.ravel, torch.Tensor.contiguous}
 _IN_PLACE = {getattr(torch.Tensor, n) for n in dir(torch.Tensor)
              if (n.endswith("_") and not n.startswith("__")) or n.startswith("__i")}
+# Eager arithmetic of a CPU run with one value per parameter (``grad.div_(norm)``, ``update * trust``)
+# runs on each parameter's range with its own value when the parameters average at least this many
+# elements: a call per parameter then costs less than writing the values over the whole run first
+# (``Segmentation.expand``: a pass over the run, ~40 ms a product on BERT-base's matrices on a 2-core
+# CPU). (A GPU pays a launch per call instead: it keeps the expansion.)
+PER_SEGMENT_MIN_ELEMENTS = 1 << 14
+# Out-of-place arithmetic taken that way, as the function that writes into ``out=`` (and whether
+# its two operands swap: ``s / x`` is ``x.__rtruediv__(s)``). In-place operations need none.
+_WITH_OUT = {
+    torch.Tensor.__mul__: (torch.mul, False), torch.Tensor.__rmul__: (torch.mul, True),
+    torch.Tensor.mul: (torch.mul, False), torch.mul: (torch.mul, False),
+    torch.Tensor.__truediv__: (torch.div, False), torch.Tensor.__rtruediv__: (torch.div, True),
+    torch.Tensor.div: (torch.div, False), torch.div: (torch.div, False),
+    torch.Tensor.__add__: (torch.add, False), torch.Tensor.__radd__: (torch.add, True),
+    torch.Tensor.add: (torch.add, False), torch.add: (torch.add, False),
+    torch.Tensor.__sub__: (torch.sub, False), torch.Tensor.__rsub__: (torch.sub, True),
+    torch.Tensor.sub: (torch.sub, False), torch.sub: (torch.sub, False),
+}
 
 
 @dataclass
@@ -748,6 +766,10 @@ class SegmentedMode(TorchFunctionMode):
             not isinstance(a, int) or func in (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm) for a in args[1:]
         ):
             return self._per_segment(func, seg, args, kwargs)
+        if func in _IN_PLACE or func in _WITH_OUT:
+            out = self._per_parameter_arithmetic(func, seg, args, kwargs)
+            if out is not None:
+                return out
         expand = seg.expand_indexed if torch.compiler.is_compiling() else seg.expand
         expanded_args, expanded_kwargs = _map(
             lambda x: expand(x) if isinstance(x, torch.Tensor) and tuple(x.shape) == seg.scalar_shape else x,
@@ -772,6 +794,59 @@ class SegmentedMode(TorchFunctionMode):
             return out
         raise NotSegmentable(f"{_name(func)} turns a run of shape {seg.shape} into shape {tuple(out.shape)} "
                              "(a reshape, or a reduction along a dimension)")
+
+    def _per_parameter_arithmetic(self, func, seg: Segmentation, args, kwargs) -> Optional[torch.Tensor]:
+        """``run.mul_(norm)``, ``update * trust``: each parameter's range with its own value, as the
+        unfused step computes it, instead of over a run-sized tensor of the values written first
+        (see ``PER_SEGMENT_MIN_ELEMENTS``); the result. None where it does not apply (the caller
+        expands): a GPU, a compiled step, small parameters, mixed or non-float dtypes (a 0-dim value
+        promotes otherwise), ``out=``, or operands other than runs, per-parameter values and 0-dim
+        tensors."""
+        if (not args or "out" in kwargs or seg.length < PER_SEGMENT_MIN_ELEMENTS * seg.segments
+                or torch.compiler.is_compiling()):
+            return None
+        if func in _IN_PLACE and not (isinstance(args[0], torch.Tensor) and tuple(args[0].shape) == seg.shape):
+            return None
+        tensors = [x for x in _leaves((args, kwargs), []) if isinstance(x, torch.Tensor)]
+        kinds = [("run" if tuple(x.shape) == seg.shape else "scalar" if tuple(x.shape) == seg.scalar_shape
+                  else "number" if x.dim() == 0 else "other") for x in tensors]
+        if ("other" in kinds or "scalar" not in kinds or "run" not in kinds or len({x.dtype for x in tensors}) > 1
+                or not tensors[0].is_floating_point() or any(x.device.type != "cpu" for x in tensors)):
+            return None
+        pieces = []  # (start, count, value index: a segment, or ``segments`` for padding)
+        cursor = 0
+        for index, count in seg._layout:
+            pieces.append((cursor, count, index))
+            cursor += count
+        one = tensors[0].new_ones(())
+        values = {}
+
+        def piece(x, start, count, index):
+            if not isinstance(x, torch.Tensor):
+                return x
+            shape = tuple(x.shape)
+            if shape == seg.shape:
+                return x.view(-1)[start:start + count]
+            if shape == seg.scalar_shape:
+                if id(x) not in values:
+                    values[id(x)] = x.reshape(seg.segments)
+                return values[id(x)][index] if index < seg.segments else one
+            return x
+
+        if func in _IN_PLACE:
+            for start, count, index in pieces:
+                if index < seg.segments:  # (the padding keeps what it holds)
+                    a, k = _map(lambda x: piece(x, start, count, index), (args, kwargs))
+                    func(*a, **k)
+            return args[0]
+        target, swap = _WITH_OUT[func]
+        if len(args) != 2 or (swap and kwargs):
+            return None
+        out = torch.empty(seg.length, dtype=tensors[0].dtype, device=tensors[0].device)
+        for start, count, index in pieces:
+            a, k = _map(lambda x: piece(x, start, count, index), (args, kwargs))
+            target(*(a[::-1] if swap else a), **k, out=out[start:start + count])
+        return out.view(seg.shape)
 
     def _per_segment(self, func, seg: Segmentation, args, kwargs, along_dims: bool = False):
         """``func`` on each segment's own view, shaped like its parameter: a reduction's per-parameter

@@ -1167,3 +1167,41 @@ def test_a_size_read_per_parameter_is_each_parameters_and_cuts_runs_where_it_cha
     assert report.fused_params == 8 and report.flat_runs == 3 and report.branch_fallback_steps == 0, report
     if compiled:
         assert report.compiled, report
+
+
+# =========================================================================== arithmetic, per parameter
+LARGE_MATRICES = [(256, 128), (192, 128), (128, 160), (300,), (40,)]  # matrices average > 16384 elements
+
+
+@pytest.mark.parametrize("make", [lambda ps: Lamb(ps, lr=1e-2, weight_decay=0.01),
+                                  lambda ps: BertAdam(ps, lr=1e-2, max_grad_norm=0.5),
+                                  lambda ps: NovoGrad(ps, lr=1e-2, weight_decay=1e-3)],
+                         ids=["Lamb", "BertAdam", "NovoGrad"])
+def test_arithmetic_with_one_value_per_parameter_runs_on_each_parameters_range(monkeypatch, make):
+    """``update * trust_ratio``, ``grad.div_(clip)`` on runs of large CPU parameters: on each
+    parameter's range with its own value (no run-sized tensor of the values first), exact; a
+    version that hands each range the next parameter's value (deliberately broken) is caught."""
+    from bagua_integrations import _segmented
+
+    taken = []
+    arithmetic = _segmented.SegmentedMode._per_parameter_arithmetic
+
+    def counted(self, func, seg, args, kwargs):
+        out = arithmetic(self, func, seg, args, kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_segmented.SegmentedMode, "_per_parameter_arithmetic", counted)
+    worst, _, fused = _fused_vs_unfused(make, LARGE_MATRICES)
+    assert worst <= 1e-6, worst
+    assert fusion_report(fused).group_paths == ["segmented"]
+    assert any(taken), "no arithmetic ran per parameter"
+
+    def next_parameters_value(self, func, seg, args, kwargs):
+        args = tuple(a.roll(1) if isinstance(a, torch.Tensor) and tuple(a.shape) == seg.scalar_shape else a
+                     for a in args)
+        return arithmetic(self, func, seg, args, kwargs)
+
+    monkeypatch.setattr(_segmented.SegmentedMode, "_per_parameter_arithmetic", next_parameters_value)
+    worst, _, _ = _fused_vs_unfused(make, LARGE_MATRICES)
+    assert worst > 1e-3, worst
