@@ -32,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._torch_compat import (
+    compiled_kernels_may_fuse_multiply_add,
     compiled_steps_unsupported,
     dynamo_dispatches_foreach_to_modes,
     dynamo_recompile_limit,
@@ -40,6 +41,7 @@ from ._torch_compat import (
     floats_used_directly,
     forget_float_specializations,
     inductor_backend,
+    inductor_reads_thresholds_raised,
     inductor_with_post_grad_pass,
     ints_symbolic_from_the_first_graph,
     math_pow_kept_symbolic,
@@ -373,14 +375,22 @@ class CompiledFunction:
 
     ``min_elements``: calls whose first tensor argument is smaller run eagerly (compile time
     outweighs the gain on small tensors); 0 compiles every call; None never compiles.
+
+    ``recompute_reads``: let a kernel read that many more inputs before Inductor stores an
+    intermediate that two loops use (a decoded mean that both the min/max loop and the quantize
+    loop read) instead of computing it again in each. Only where compiled kernels keep ``a * b + c``
+    as two roundings (CPU): two loops must compute the same bits, or a value could fall outside
+    the range the first loop found.
     """
 
     _instances = 0
 
-    def __init__(self, fn, min_elements: Optional[int] = AUTO_MIN_ELEMENTS, max_graphs: int = 8):
+    def __init__(self, fn, min_elements: Optional[int] = AUTO_MIN_ELEMENTS, max_graphs: int = 8,
+                 recompute_reads: int = 0):
         self.fn = fn
         self.min_elements = min_elements
         self.max_graphs = max_graphs
+        self.recompute_reads = recompute_reads
         self.graphs = 0
         self.compiled_calls = 0
         self.disabled_reason = None
@@ -393,6 +403,10 @@ class CompiledFunction:
         self.graphs += 1
         if self.graphs > self.max_graphs:
             raise RuntimeError(f"{self.fn.__name__} recompiled {self.graphs} times")
+        device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
+        if self.recompute_reads and not compiled_kernels_may_fuse_multiply_add(device):
+            patches = inductor_reads_thresholds_raised(self.recompute_reads)
+            return inductor_backend()(graph_module, example_inputs, config_patches=patches)
         return inductor_backend()(graph_module, example_inputs)
 
     def wants_compiled(self, *args) -> bool:
