@@ -32,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._torch_compat import (
+    check_cpu_vector_isas_at_once,
     compiled_kernels_may_fuse_multiply_add,
     compiled_steps_unsupported,
     dynamo_dispatches_foreach_to_modes,
@@ -126,6 +127,8 @@ def compiler_available(device_type: str = "cpu") -> bool:
     (40 s of a 45 s startup of a fused BertAdam on an H200), which CUDA kernels never need."""
     works = _COMPILER_WORKS.get(device_type)
     if works is None:
+        if device_type == "cpu":
+            check_cpu_vector_isas_at_once()
         try:
             probe = torch.compile(lambda x: x * 2 + 1, fullgraph=True)
             works = bool(probe(torch.ones(8, device=device_type))[0] == 3)
