@@ -44,7 +44,7 @@ def _dequantize(codes, lo, hi, n):
     return (codes.to(torch.float32) * ((hi - lo) / 255) + lo).reshape(-1)[:n]
 
 
-def _train(rank, world, ours: bool, steps=STEPS):
+def _train(rank, world, ours: bool, steps=STEPS, piece_elements=None):
     import torch.distributed as dist
 
     model = _model()
@@ -54,6 +54,8 @@ def _train(rank, world, ours: bool, steps=STEPS):
         from bagua_integrations import bagua_init
 
         wrapped, _ = bagua_init(model, optimizer, "low_precision_decentralized")
+        if piece_elements is not None:
+            wrapped.algorithm.piece_elements = piece_elements
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     own, left_copy, right_copy = flat.clone(), flat.clone(), flat.clone()
     left, right = (rank - 1) % world, (rank + 1) % world
@@ -87,14 +89,22 @@ def _train(rank, world, ours: bool, steps=STEPS):
     return weights, copies
 
 
-def _both(rank, world):
+def _both(rank, world, piece_elements=None):
+    from bagua_integrations.distributed import comm
     from bagua_integrations.distributed.algorithms import bytegrad
 
-    ours, reference = _train(rank, world, ours=True), _train(rank, world, ours=False)
+    messages, record = [], comm.collective_log.record
+    comm.collective_log.record = lambda kind, tensor: (messages.append(kind), record(kind, tensor))
+    try:
+        ours = _train(rank, world, ours=True, piece_elements=piece_elements)
+    finally:
+        comm.collective_log.record = record
+    reference = _train(rank, world, ours=False)
     from bagua_integrations.distributed.algorithms import low_precision_decentralized as lpd
 
     kernels = [bytegrad._KERNELS.get((fn, True, False)) for fn in (bytegrad._encode_blocks_into, lpd._finish_round)]
-    return ours, reference, all(kernel is not None and kernel.compiled_calls for kernel in kernels)
+    sent = sum(kind in ("exchange", "ring_exchange") for kind in messages)
+    return ours, reference, all(kernel is not None and kernel.compiled_calls for kernel in kernels), sent
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-codec", "compiled-codec"])
@@ -110,16 +120,28 @@ def test_matches_plain_torch_distributed_bit_for_bit(world, compiled):
     # cold cache on 2 busy cores have kept a peer waiting past a 60 s process-group timeout (a CI run).
     results = values(run_ranks(_both, world, timeout=420 if compiled else 180, pg_timeout=240 if compiled else 60,
                                env={"BAGUA_COMPILE_CODECS": "1" if compiled else "0"}))
-    for rank, ((ours, copies), (reference, _), ran_compiled) in enumerate(results):
+    for rank, ((ours, copies), (reference, _), ran_compiled, sent) in enumerate(results):
         assert all(torch.equal(a, b) for a, b in zip(ours, reference)), f"rank {rank} differs from the reference"
         assert ran_compiled == compiled
+        assert sent == STEPS  # the model is smaller than a piece: one message a round
     # the copy each rank keeps of its left neighbour is that neighbour's own public copy, exactly
-    for rank, ((_, copies), _, _) in enumerate(results):
+    for rank, ((_, copies), _, _, _) in enumerate(results):
         left = (rank - 1) % world
         assert torch.equal(copies[1], results[left][0][1][0])
     # the ranks really trained differently and were pulled together (not identical, not far apart)
     spread = max((a - b).abs().max().item() for a, b in zip(results[0][0][0], results[1][0][0]))
     assert 0 < spread < 0.5, spread
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_round_sent_in_pieces_gives_the_same_bits(world):
+    """A round goes out in pieces of ``piece_elements`` weights (here one block of 1024: two pieces of
+    the 1669 weights), each exchanged and applied on its own: the same weights as the reference,
+    which quantizes and sends the whole model at once."""
+    results = values(run_ranks(_both, world, args=(CHUNK,), timeout=180, env={"BAGUA_COMPILE_CODECS": "0"}))
+    for rank, ((ours, _), (reference, _), _, sent) in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(ours, reference)), f"rank {rank} differs from the reference"
+        assert sent == 2 * STEPS, sent
 
 
 def test_configuration_errors_are_named():

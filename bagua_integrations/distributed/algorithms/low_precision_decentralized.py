@@ -65,6 +65,12 @@ class LowPrecisionDecentralized(ModelAlgorithm):
     """
 
     name = "low_precision_decentralized"
+    #: weights per message (a multiple of :data:`CHUNK`): a round goes out in pieces, each sent and
+    #: finished on its own, so that quantizing and applying one piece overlaps the next one's
+    #: transfer. One message of the whole model stalled a 1 Gbit/s link (2 ranks, 24 MB of weights:
+    #: 0.57x of DDP's step time; 0.40x in pieces of 2**21, 0.36-0.39x of 2**20, which cost ~3 ms
+    #: more a step on an unshaped link). The pieces do not change a bit: they split at block edges.
+    piece_elements = 2**21
 
     def __init__(self, communication_interval: int = 1, hierarchical: Optional[bool] = None, timeout=None):
         super().__init__(hierarchical, timeout)
@@ -131,12 +137,20 @@ class LowPrecisionDecentralized(ModelAlgorithm):
         _kernel(_finish_round, self.codec.decode_compile(flat.device), False)(
             flat, own, left_copy, right_copy, mine, from_left, from_right, CHUNK, self.codec.levels)
 
+    def _pieces(self, flat: torch.Tensor, copies: List[torch.Tensor]):
+        """``(piece of flat, the same piece of each public copy)``, cut at block edges."""
+        length = max(CHUNK, self.piece_elements // CHUNK * CHUNK)
+        for start in range(0, flat.numel(), length):
+            end = min(start + length, flat.numel())
+            yield flat[start:end], [public_copy[start:end] for public_copy in copies]
+
     def update(self, step: int, group) -> bool:
         if not comm.is_distributed(group) or step % self.communication_interval:
             return False
         flats = self.pack.gather()
         with torch.no_grad():
-            self.run([self._round(flat, copies, group) for flat, copies in zip(flats, self.public)],
+            self.run([self._round(piece, copies_of_piece, group) for flat, copies in zip(flats, self.public)
+                      for piece, copies_of_piece in self._pieces(flat, copies)],
                      "low-precision ring averaging")
         self.pack.scatter()
         return True
