@@ -134,7 +134,7 @@ def _broken_encode_parts(rows, zero_exact, levels):
     scale = torch.where(span > 0, levels / span, torch.zeros_like(span))
     zero = (-lo * scale).round()
     codes = (rows * scale).floor().add(zero).clamp(0, levels).to(torch.uint8)
-    return torch.cat([span / levels, zero], dim=1), codes
+    return torch.cat([span / levels, zero], dim=1), codes, scale
 
 
 def _bytegrad_vs_reference(rank, world, broken):
