@@ -266,7 +266,10 @@ def codec_rows(elements: int, rounds: int, ranks: int = 2, device: str = "cpu", 
     g = torch.Generator().manual_seed(0)
     flat = torch.randn(elements, generator=g).to(device)
     copy_target = torch.empty_like(flat)
-    rows = {"plain copy (fp32 -> fp32)": lambda: copy_target.copy_(flat)}
+    rows = {"plain copy (fp32 -> fp32)": lambda: copy_target.copy_(flat),
+            # the encoders allocate their output each call (the copy above writes into one it has):
+            # this row shows what a fresh buffer's page faults cost on this machine in this run
+            "plain copy into a new buffer (clone)": lambda: flat.clone()}
     for label, compiled in (("eager", False), ("compiled", True)):
         codec = MinMaxUInt8(zero_exact=True, block=BLOCK, compile=compiled)
         chunk = codec.padded_length(-(-elements // ranks))
