@@ -324,6 +324,12 @@ class Segmentation:
             out.append((self.segments, self.length - cursor))
         return out
 
+    @cached_property
+    def _ranges(self) -> List[Tuple[int, int, int]]:
+        """``(start, count, value index)`` along the run: :attr:`_layout` with each range's start."""
+        starts = itertools.accumulate((count for _, count in self._layout), initial=0)
+        return [(start, count, index) for start, (index, count) in zip(starts, self._layout)]
+
 
 def segment_views(full: torch.Tensor, segmentation: Segmentation) -> List[torch.Tensor]:
     """Each segment of the run-shaped ``full`` as a view shaped like its parameter."""
@@ -813,11 +819,7 @@ class SegmentedMode(TorchFunctionMode):
         if ("other" in kinds or "scalar" not in kinds or "run" not in kinds or len({x.dtype for x in tensors}) > 1
                 or not tensors[0].is_floating_point() or any(x.device.type != "cpu" for x in tensors)):
             return None
-        pieces = []  # (start, count, value index: a segment, or ``segments`` for padding)
-        cursor = 0
-        for index, count in seg._layout:
-            pieces.append((cursor, count, index))
-            cursor += count
+        pieces = seg._ranges  # (start, count, value index: a segment, or ``segments`` for padding)
         one = tensors[0].new_ones(())
         values = {}
 
