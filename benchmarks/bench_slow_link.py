@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import bagua_integrations.optim  # noqa: E402
-from bagua_integrations.distributed import list_algorithms  # noqa: E402
+from bagua_integrations.distributed import get_algorithm, list_algorithms  # noqa: E402
 
 # variant -> registered algorithm (None: torch DDP), bagua_init kwargs, optimizer factory (None: SGD
 # momentum 0.9, lr 1e-3), extra warm-up steps before timing. Async runs in a phase of its own (see _async_phase).
@@ -61,6 +61,8 @@ VARIANTS = {
     "qadam_unfused": dict(algorithm="qadam", warmup=QADAM_WARMUP,
                           optimizer=lambda params: bagua_integrations.optim.QAdam(params, lr=1e-3, warmup_steps=QADAM_WARMUP)),
     "async": dict(algorithm="async", kwargs=dict(sync_interval_ms=100)),
+    # bytegrad as the HF Trainer / Accelerate integration runs it: torch DDP with its communication hook
+    "bytegrad_ddp_hook": dict(algorithm=None, ddp_hook="bytegrad"),
 }
 NAMESPACE_PREFIX = "bagua-bench-"
 ADDRESSES = ("10.77.0.1", "10.77.0.2")  # rank 0's address is the rendezvous (MASTER) address
@@ -87,7 +89,10 @@ def _make_variant(name, args):
     """A Variant, or a string saying why it is skipped (its algorithm is not registered)."""
     spec = VARIANTS[name]
     if spec["algorithm"] is None:
-        return Variant(name, args, ddp=True)
+        variant = Variant(name, args, ddp=True)
+        if spec.get("ddp_hook"):
+            variant.wrapped.register_comm_hook(None, get_algorithm(spec["ddp_hook"], hierarchical=False).ddp_comm_hook)
+        return variant
     if spec["algorithm"] not in list_algorithms():
         return f"{name}: skipped, algorithm {spec['algorithm']!r} is not registered (have: {', '.join(list_algorithms())})"
     variant = Variant(name, args, spec["algorithm"], fused=spec.get("fused", False), make_optimizer=spec.get("optimizer"),
