@@ -158,7 +158,6 @@ class GradientAlgorithm(Algorithm):
         if message_size <= 0:
             raise AlgorithmConfigError(f"message_size must be a positive number of bytes, got {message_size!r}")
         self.message_size = int(message_size)
-        self._ddp_buckets: list = []  # (pending, future, flat) of this backward's multi-stage DDP buckets
 
     def average(self, flat: torch.Tensor, group) -> comm.Stages:
         """Average the 1-D ``flat`` in place over ``group`` (more than one rank), as staged collectives."""
@@ -254,19 +253,17 @@ class GradientAlgorithm(Algorithm):
         ``state`` is the process group to use (None: the default one, or an object with a
         ``process_group`` attribute); ``bucket`` is DDP's ``dist.GradBucket``. Returns a
         ``torch.futures.Future`` of the averaged bucket tensor. Single-collective flat
-        reductions stay asynchronous (overlapping backward). Multi-stage ones (bytegrad, qadam,
-        hierarchical) go as in the reducer: each call launches its bucket's first collective, then
-        takes the previous bucket's next stage, and the last bucket's call (``bucket.is_last()``)
-        finishes them all, in bucket order. DDP calls the hook in bucket order on every rank and
-        waits for the futures only after the last call, so collectives keep one order everywhere
-        (chaining them from future callbacks would not) and still overlap backward.
+        reductions stay asynchronous (overlapping backward); multi-stage ones (bytegrad,
+        hierarchical) run to completion inside the hook, because chaining collectives from
+        future callbacks would issue them in a different order on different ranks.
         """
         group = state if state is None or isinstance(state, dist.ProcessGroup) else getattr(state, "process_group", None)
         flat = bucket.buffer()
         stages = self.bucket_stages(flat, list(zip(bucket.parameters(), bucket.gradients())), group)
         what = f"{self.name} DDP bucket {bucket.index()}"
         if not (self.single_collective and self.nodes(group) is None):
-            return self._staged_ddp_bucket(stages, flat, what, first=bucket.index() == 0, last=bucket.is_last())
+            comm.run(stages, what, self.timeout)
+            return _completed(flat)
         work = next(stages, None)
         if work is None:
             return _completed(flat)
@@ -278,25 +275,6 @@ class GradientAlgorithm(Algorithm):
             return flat
 
         return work.get_future().then(finish)
-
-    def _staged_ddp_bucket(self, stages, flat: torch.Tensor, what: str, first: bool, last: bool) -> torch.futures.Future:
-        """One multi-stage DDP bucket (see :meth:`ddp_comm_hook`): its future, completed by the last bucket's call."""
-        queue = self._ddp_buckets
-        if first and queue:  # a backward that raised before its last bucket: its futures end with the error
-            _fail(queue, AlgorithmConfigError(f"{self.name}: a DDP backward ended before its last bucket was reduced"))
-        queue.append((comm.Pending(stages, what, self.timeout), torch.futures.Future(), flat))
-        try:
-            if len(queue) > 1 and self.stages_overlap:
-                queue[-2][0].advance()
-            if last:
-                for pending, future, done in queue:
-                    pending.wait()
-                    future.set_result(done)
-                queue.clear()
-        except BaseException as error:
-            _fail(queue, error)
-            raise
-        return queue[-1][1] if queue else _completed(flat)
 
 
 def _members_of(pack, flat: torch.Tensor, owners: Dict[int, torch.Tensor]) -> Optional[Members]:
@@ -312,14 +290,6 @@ def _members_of(pack, flat: torch.Tensor, owners: Dict[int, torch.Tensor]) -> Op
         members.append((param, flat[start : start + grad.numel()].view(grad.shape)))
         offset += grad.numel()
     return members
-
-
-def _fail(queue, error: BaseException) -> None:
-    """End every unfinished future of ``queue`` with ``error``, and empty it."""
-    for _, future, _ in queue:
-        if not future.done():
-            future.set_exception(error)
-    queue.clear()
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:
