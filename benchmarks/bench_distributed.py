@@ -322,7 +322,7 @@ def codec_report(codec: dict) -> str:
     gigabytes = codec["elements"] * 4 / 1e9
     copy = codec["seconds"]["plain copy (fp32 -> fp32)"]
     where = codec.get("hardware", "CPU")
-    conditions = "compiled graphs shape-general (a bucket of another size ran first); "
+    conditions = f"compiled graphs {codec['compiled graphs']}; " if "compiled graphs" in codec else ""
     if codec.get("device") != "cuda":
         conditions += f"1 thread; caches {codec.get('caches', 'warm')}; "
     lines = [f"## uint8 codec, one bucket of {codec['elements'] * 4 / MB:.0f} MB fp32 on {where}, torch {codec.get('torch', '?')} "

@@ -80,7 +80,7 @@ def _average_chunks(received: torch.Tensor, codes_out: torch.Tensor, block: int,
     ranks = received.shape[0]
     # (ranks, blocks, 8 + block): each element's block and rank are indices of their own, so a graph
     # made dynamic by a second bucket size still runs vectorized loops (indexed as one flat run with
-    # symbolic offsets, it ran 10-40x slower than the static graph)
+    # symbolic offsets, it ran 10-47x slower than the static graph)
     decoded = _decode_rows(received.view(ranks, -1, 8 + block), zero_exact, levels)
     mean = decoded.sum(dim=0).div(ranks)
     return _encode_blocks_into(mean, codes_out, zero_exact, levels)
