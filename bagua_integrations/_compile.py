@@ -32,7 +32,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._torch_compat import (
-    check_cpu_vector_isas_at_once,
     compiled_kernels_may_fuse_multiply_add,
     compiled_steps_unsupported,
     dynamo_dispatches_foreach_to_modes,
@@ -46,6 +45,7 @@ from ._torch_compat import (
     inductor_with_post_grad_pass,
     ints_symbolic_from_the_first_graph,
     math_pow_kept_symbolic,
+    start_cpu_vector_isa_checks,
 )
 from ._batched_combines import post_grad_pass
 from ._foreach import element_calls, in_place, is_python_number
@@ -124,16 +124,27 @@ def compiler_available(device_type: str = "cpu") -> bool:
     """Whether ``torch.compile`` with Inductor works here for tensors on ``device_type``: a C++
     compiler for CPU tensors, Triton for CUDA ones. Probed on that device, once: a CPU probe on a
     GPU machine would make Inductor check the host's vector instructions by compiling test programs
-    (40 s of a 45 s startup of a fused BertAdam on an H200), which CUDA kernels never need."""
+    (40 s of a 45 s startup of a fused BertAdam on an H200), which CUDA kernels never need.
+
+    On an x86 CPU those checks themselves answer for CPU tensors: one that built and loaded its
+    test program (Inductor's compiler, flags and torch's headers) shows the compiler works, and
+    the probe's own compile (0.7 s of a cold start) is skipped. Should a kernel still fail to
+    build (a compiler without OpenMP), the step that needed it runs eagerly, with one warning."""
     works = _COMPILER_WORKS.get(device_type)
     if works is None:
         if device_type == "cpu":
-            check_cpu_vector_isas_at_once()
-        try:
-            probe = torch.compile(lambda x: x * 2 + 1, fullgraph=True)
-            works = bool(probe(torch.ones(8, device=device_type))[0] == 3)
-        except Exception:  # any failure means "not here"
-            works = False
+            isa_checks = start_cpu_vector_isa_checks()
+            try:  # the rest of Inductor's imports (about 1 s) while the checks' compilers run
+                import torch._inductor.compile_fx  # noqa: F401
+            except Exception:
+                pass  # the probe meets it
+            works = isa_checks() or None  # built and loaded a program as Inductor builds its kernels
+        if works is None:
+            try:
+                probe = torch.compile(lambda x: x * 2 + 1, fullgraph=True)
+                works = bool(probe(torch.ones(8, device=device_type))[0] == 3)
+            except Exception:  # any failure means "not here"
+                works = False
         _COMPILER_WORKS[device_type] = works
     return works
 

@@ -30,7 +30,7 @@ _RELEASE = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])
 __all__ = [
     "CHECKED_ON",
     "compiled_steps_unsupported",
-    "check_cpu_vector_isas_at_once",
+    "start_cpu_vector_isa_checks",
     "unwrapped_step",
     "forget_float_specializations",
     "floats_need_a_direct_use",
@@ -418,16 +418,21 @@ def process_group_timeout(group=None):
     return pg._get_backend(torch.device("cpu")).options._timeout
 
 
-def check_cpu_vector_isas_at_once() -> None:
-    """Run Inductor's checks of the CPU's vector instruction sets side by side instead of in turn.
+def start_cpu_vector_isa_checks() -> Callable[[], bool]:
+    """Start Inductor's checks of the CPU's vector instruction sets side by side, in threads,
+    instead of in turn; returns the function that waits for them, and says whether one of them
+    built and loaded its test program (so the C++ compiler Inductor uses works, with torch's
+    headers: False when none was started).
 
     Before its first CPU kernel, Inductor compiles and loads a test program for each instruction
     set the CPU reports (AVX512-VNNI, AVX512, AVX2 here), one after the other: 5 s of a cold
     fused step's 11 s start on a 2-core machine. Each check is a compiler process, so run in
-    threads they overlap (3.3 s). Inductor caches each answer, so its own pass then finds them.
-    Private: ``torch._inductor.cpu_vec_isa`` (``supported_vec_isa_list``, ``x86_isa_checker``,
-    each ISA's cached ``__bool__``); checked on torch 2.13. Anything unexpected: nothing is done,
-    and Inductor checks them in turn as before.
+    threads they overlap (3.3 s), and the caller can do other work (import the rest of
+    Inductor) until it waits. Inductor caches each answer, so its own pass then finds them.
+    What the checks import is imported here first, so the threads import nothing while the
+    caller does. Private: ``torch._inductor.cpu_vec_isa`` (``supported_vec_isa_list``,
+    ``x86_isa_checker``, each ISA's cached ``__bool__``); checked on torch 2.13. Anything
+    unexpected: nothing is started, and Inductor checks them in turn as before.
     """
     try:
         from concurrent.futures import ThreadPoolExecutor
@@ -436,15 +441,36 @@ def check_cpu_vector_isas_at_once() -> None:
         from torch._inductor import config as inductor_config
 
         if inductor_config.cpp.vec_isa_ok is not None or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
-            return  # decided by the user's setting, or already checked in this process
+            return _nothing_to_wait_for  # decided by the user's setting, or already checked in this process
         reported = cpu_vec_isa.x86_isa_checker()
         candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
                       if str(isa).split() and all(flag in reported for flag in str(isa).split())]
-        if len(candidates) > 1:
-            with ThreadPoolExecutor(len(candidates), thread_name_prefix="vec-isa-check") as pool:
-                list(pool.map(bool, candidates))
+        if len(candidates) < 2:
+            return _nothing_to_wait_for
+        import torch._inductor.codecache  # noqa: F401  (what VecISA.check_build imports)
+        import torch._inductor.cpp_builder  # noqa: F401
+        import torch.utils.cpp_extension  # noqa: F401  (imported by the first build: setuptools)
+
+        pool = ThreadPoolExecutor(len(candidates), thread_name_prefix="vec-isa-check")
+        futures = [pool.submit(bool, isa) for isa in candidates]
+        pool.shutdown(wait=False)
     except Exception:
-        pass
+        return _nothing_to_wait_for
+
+    def wait() -> bool:
+        built = False
+        for future in futures:
+            try:
+                built = bool(future.result()) or built
+            except Exception:
+                pass  # Inductor checks that one again itself, and meets the error there
+        return built
+
+    return wait
+
+
+def _nothing_to_wait_for() -> bool:
+    return False
 
 
 def compiled_kernels_may_fuse_multiply_add(device_type: str) -> bool:

@@ -528,7 +528,7 @@ TESTED = {
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
     "compiled_steps_unsupported", "floats_used_directly", "floats_need_a_direct_use", "cpu_kernels_truncate_float_min_max",
     "compiled_kernels_may_fuse_multiply_add", "ints_symbolic_from_the_first_graph", "inductor_with_post_grad_pass",
-    "check_cpu_vector_isas_at_once",
+    "start_cpu_vector_isa_checks",
 }
 
 
@@ -829,7 +829,7 @@ def test_drop_group_defaults_kept_by_torch_replaces_the_group_only_in_torch_dist
 TESTED.add("drop_group_defaults_kept_by_torch")
 
 
-# ------------------------------------------------------------------------------ check_cpu_vector_isas_at_once
+# ------------------------------------------------------------------------------ start_cpu_vector_isa_checks
 _ISA_CHECKS = r"""
 import json, platform, sys, threading
 from torch._inductor import cpu_vec_isa
@@ -845,19 +845,22 @@ def recording(self, code):
     return original(self, code)
 
 cpu_vec_isa.VecISA.check_build = recording
-compat.check_cpu_vector_isas_at_once()
+wait = compat.start_cpu_vector_isa_checks()
+import torch._inductor.compile_fx  # what _compile.compiler_available imports while the checks run
+built = wait()
 
 def checked_again(self, code):
     raise AssertionError(f"Inductor checked {self} again")
 
 cpu_vec_isa.VecISA.check_build = checked_again
-print(json.dumps({"threads": threads, "valid": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]}))
+print(json.dumps({"threads": threads, "built": built, "valid": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]}))
 """
 
 
 def test_cpu_vector_isa_checks_run_side_by_side_and_inductor_reuses_their_answers(tmp_path):
-    """Each ISA the CPU reports is checked once, in a thread of its own, and Inductor's own pass then
-    compiles nothing (an empty cache directory: the cold start a user's first run pays)."""
+    """Each ISA the CPU reports is checked once, in a thread of its own, while the main thread imports
+    the rest of Inductor, and Inductor's own pass then compiles nothing (an empty cache directory:
+    the cold start a user's first run pays)."""
     import json
     import os
     import subprocess
@@ -865,11 +868,14 @@ def test_cpu_vector_isa_checks_run_side_by_side_and_inductor_reuses_their_answer
 
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", _ISA_CHECKS], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, changed("check_cpu_vector_isas_at_once", result.stderr[-2000:])
+    assert result.returncode == 0, changed("start_cpu_vector_isa_checks", result.stderr[-2000:])
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     if "skip" in seen:
         pytest.skip(f"Inductor checks vector ISAs by compiling only on x86 ({seen['skip']} here)")
-    assert seen["valid"], changed("check_cpu_vector_isas_at_once", "no vector ISA found valid")
+    assert seen["valid"], changed("start_cpu_vector_isa_checks", "no vector ISA found valid")
     assert len(seen["threads"]) >= len(seen["valid"]), seen
     if len(seen["threads"]) > 1:
         assert all(name.startswith("vec-isa-check") for name in seen["threads"]), seen
+        assert seen["built"] is True, changed("start_cpu_vector_isa_checks", "its wait() did not say a check built")
+    else:
+        assert seen["built"] is False, seen  # nothing started: the caller probes the compiler itself
