@@ -776,8 +776,8 @@ def _dtensor_over_checks(rank, world):
 def test_dtensor_over_wraps_the_local_tensor_itself_as_the_dtensor_it_is_like(private_api):
     """On a spawned one-rank world: on torch 2.5.1, destroy_process_group now and then never returns
     after a DTensor was made on a gloo mesh (a loop of init, distribute_tensor, destroy hung in
-    each of 7 tries, after 44 to 112 rounds where counted; 300 rounds on 2.13 never did), which stalled a CI run when this test
-    ran inside pytest's process. A spawned rank skips that teardown."""
+    each of 7 tries, after 44 to 112 rounds where counted; 300 rounds on 2.13 never did), which
+    stalled a CI run when this test ran inside pytest's process. A spawned rank skips that teardown."""
     from _dist_utils import run_ranks, values
 
     with private_api("dtensor_over"):
