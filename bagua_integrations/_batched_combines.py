@@ -18,14 +18,13 @@ functionalization places them: a re-ordered graph then still reads each input be
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import heapq
 import operator
 from typing import Dict, List
 
 import torch
 
+from ._early_stores import is_input_mutation
 from ._segmented import _BY_KEY, all_reduce_over_shards, segment_values
 
 __all__ = ["segment_combine_many", "batch_combines"]
@@ -56,11 +55,6 @@ def _(partials, keys, hows):
     return [part.new_empty(_BY_KEY[key].segments) for part, key in zip(partials, keys.split(","))]
 
 
-def _is_input_mutation(node: torch.fx.Node) -> bool:
-    return (node.op == "call_function" and node.target is torch.ops.aten.copy_.default
-            and node.args[0].op == "placeholder")
-
-
 def batch_combines(graph: torch.fx.Graph) -> bool:
     """Batch ``graph``'s independent ``segment_combine`` calls over shards (see the module docstring);
     True when it changed the graph."""
@@ -70,8 +64,8 @@ def batch_combines(graph: torch.fx.Graph) -> bool:
     if len(combines) < 2:
         return False
     position = {n: i for i, n in enumerate(nodes)}
-    mutations = [n for n in nodes if _is_input_mutation(n)]
-    computing = [n for n in nodes if n.op not in ("placeholder", "output") and not _is_input_mutation(n)]
+    mutations = [n for n in nodes if is_input_mutation(n)]
+    computing = [n for n in nodes if n.op not in ("placeholder", "output") and not is_input_mutation(n)]
     if mutations and computing and min(position[n] for n in mutations) < max(position[n] for n in computing):
         return False  # an input is written before the last computation: re-ordering could read it late
     depth: Dict[torch.fx.Node, int] = {}
@@ -129,23 +123,3 @@ def _stable_topological_order(graph: torch.fx.Graph, position: Dict[torch.fx.Nod
         cursor.append(node)
         cursor = node
 
-
-@functools.lru_cache(maxsize=None)
-def post_grad_pass():
-    """``batch_combines`` as Inductor's ``post_grad_custom_pre_pass`` (one ``CustomGraphPass``, keyed by
-    this file's source so that Inductor's FX graph cache stays on), or None where torch has no such class."""
-    try:
-        from torch._inductor.custom_graph_pass import CustomGraphPass
-    except ImportError:
-        return None
-    with open(__file__, "rb") as handle:
-        source_hash = hashlib.sha256(handle.read()).hexdigest()
-
-    class BatchCombines(CustomGraphPass):
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            batch_combines(graph)
-
-        def uuid(self):
-            return source_hash
-
-    return BatchCombines()

@@ -22,6 +22,9 @@ Three details make this work for *any* elementwise optimizer:
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import sys
 import time
 import types
 import warnings
@@ -43,11 +46,14 @@ from ._torch_compat import (
     inductor_backend,
     inductor_reads_thresholds_raised,
     inductor_with_post_grad_pass,
+    block_loops_pass,
     ints_symbolic_from_the_first_graph,
     math_pow_kept_symbolic,
     start_cpu_vector_isa_checks,
 )
-from ._batched_combines import post_grad_pass
+from . import _batched_combines, _early_stores
+from ._batched_combines import batch_combines
+from ._early_stores import stores_early
 from ._foreach import element_calls, in_place, is_python_number
 from ._late_reductions import LateReduction, find_late_reduction, graph_findings
 from ._scalar_prologue import with_scalar_prologue
@@ -84,6 +90,10 @@ def _carries_python_numbers(args, kwargs) -> bool:
 # first compile, one recompile when Dynamo makes changing scalars symbolic, and slack for
 # a run structure that changes once (e.g. a parameter that gets its first gradient late).
 MAX_GRAPHS = 4
+# Segmented steps on the CPU: loops of a run's length in the shape of its per-block reductions
+# (``block_loops_pass``) and write-backs where their values are computed (``stores_early``), so
+# that a value is stored in the loop that reduces it. Off only to measure what they change.
+BLOCK_LOOPS = True
 # Below this many flat elements, compile time outweighs the gain ("auto" stays eager).
 AUTO_MIN_ELEMENTS = 1 << 20
 
@@ -284,6 +294,39 @@ def _private_copy(fn, name: str):
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+@functools.lru_cache(maxsize=None)
+def post_grad_pass(early_stores: bool = False):
+    """Our passes over the functional graph Inductor compiles, as its ``post_grad_custom_pre_pass``
+    (one ``CustomGraphPass``, keyed by the passes' source so that Inductor's FX graph cache stays
+    on), or None where torch has no such class: the combines over shards batched
+    (``batch_combines``), then, with ``early_stores``, each input's write-back moved to where its
+    value is computed (``stores_early``; after the first, which requires them last), in segmented
+    steps on the CPU: early stores pay only where Inductor then stores in the loop that reduces
+    (``block_loops_pass``)."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:
+        return None
+    digest = hashlib.sha256(str(early_stores).encode())
+    for module in (_batched_combines, _early_stores, sys.modules[__name__]):
+        with open(module.__file__, "rb") as handle:
+            digest.update(handle.read())
+    source_hash = digest.hexdigest()
+    ops = torch.ops.bagua_integrations
+    combines = (ops.segment_combine.default, ops.segment_combine_many.default)
+
+    class StepGraphPasses(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            batch_combines(graph)
+            if early_stores and any(node.target in combines for node in graph.nodes):
+                stores_early(graph, device_type="cpu")  # (a segmented step's: it reduces per block)
+
+        def uuid(self):
+            return source_hash
+
+    return StepGraphPasses()
+
+
 class CompiledStep:
     """Runs the optimizer's step compiled; counts graphs and compile time; falls back to eager."""
 
@@ -310,7 +353,9 @@ class CompiledStep:
         for what, groups in graph_findings(graph_module, self.watched):
             raise LateReduction(groups, what)
         self.graphs += 1
-        compile_graph = inductor_with_post_grad_pass(inductor_backend(), post_grad_pass())
+        scheduler_pass = block_loops_pass() if BLOCK_LOOPS else None
+        compile_graph = inductor_with_post_grad_pass(inductor_backend(), post_grad_pass(scheduler_pass is not None),
+                                                     scheduler_pass)
         return with_scalar_prologue(compile_graph, graph_module, example_inputs)
 
     @staticmethod

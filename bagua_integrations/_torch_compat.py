@@ -39,6 +39,7 @@ __all__ = [
     "inductor_backend",
     "inductor_reads_thresholds_raised",
     "inductor_with_post_grad_pass",
+    "block_loops_pass",
     "cpu_kernels_truncate_float_min_max",
     "mark_placeholder_without_source",
     "compiled_kernels_may_fuse_multiply_add",
@@ -201,20 +202,118 @@ def inductor_backend() -> Callable:
     return compile_fx
 
 
-def inductor_with_post_grad_pass(compile_graph: Callable, graph_pass) -> Callable:
+def inductor_with_post_grad_pass(compile_graph: Callable, graph_pass, scheduler_pass=None) -> Callable:
     """``compile_graph`` (``compile_fx``, possibly called with ``config_patches=``) that runs
-    ``graph_pass`` as Inductor's ``post_grad_custom_pre_pass`` on the functional graph. Unchanged
-    when ``graph_pass`` is None or the user set a pass of their own (which is kept)."""
+    ``graph_pass`` as Inductor's ``post_grad_custom_pre_pass`` on the functional graph, and
+    ``scheduler_pass`` as its ``_pre_fusion_custom_pass`` on the scheduler's nodes. A pass that is
+    None, or whose place holds a pass the user set (which is kept), is left out."""
     from torch._inductor import config
 
-    if graph_pass is None or getattr(config, "post_grad_custom_pre_pass", None) is not None:
+    patches = {}
+    if graph_pass is not None and getattr(config, "post_grad_custom_pre_pass", None) is None:
+        patches["post_grad_custom_pre_pass"] = graph_pass
+    if scheduler_pass is not None and getattr(config, "_pre_fusion_custom_pass", None) is None:
+        patches["_pre_fusion_custom_pass"] = scheduler_pass
+    if not patches:
         return compile_graph
 
     def compile_with_pass(gm, example_inputs, config_patches=None):
-        patches = dict(config_patches or {}, post_grad_custom_pre_pass=graph_pass)
-        return compile_graph(gm, example_inputs, config_patches=patches)
+        return compile_graph(gm, example_inputs, config_patches=dict(config_patches or {}, **patches))
 
     return compile_with_pass
+
+
+def block_loops_pass():
+    """An Inductor scheduler pass (``_pre_fusion_custom_pass``) that lets a CPU kernel store what
+    it computes in the same loop that reduces it per block; None where torch has no such pass.
+
+    A segmented step reduces each *block* of a run (``(blocks, block)``: one value per block) and
+    also stores values of the run's length (LAMB's moments, read again by its norms). Inductor's C++
+    backend merges a contiguous pointwise loop into one loop of the run's length, which it cannot
+    fuse with the ``(blocks)`` x ``(block)`` reduction: the moments are then computed twice and their
+    inputs read twice from memory. This pass gives each such pointwise loop the reduction's shape
+    (``(blocks, block)``, kept from merging), so Inductor fuses both into one loop over the blocks,
+    the block's values still in the L1 cache when they are stored. The values and their rounding are
+    unchanged (the same expressions, evaluated once); only which loop evaluates them moves.
+
+    Private: Inductor's scheduler nodes (``group``, ``get_default_sizes_body``,
+    ``recompute_size_and_body`` with ``recompute_sizes_body_func``, as the C++ backend's own loop
+    split uses them), ``LoopBody`` and ``CustomSchedulerPass`` (which keys the FX graph cache by
+    :meth:`uuid`). A node this cannot reshape is left as Inductor built it. Checked on torch 2.13 and
+    2.14; torch 2.11 lacks ``CustomSchedulerPass`` (its loops stay as Inductor builds them).
+    """
+    try:
+        from torch._inductor import config, dependencies, ir
+        from torch._inductor.custom_graph_pass import CustomSchedulerPass
+        from torch._inductor.scheduler import SchedulerNode
+    except ImportError:
+        return None
+    if not hasattr(config, "_pre_fusion_custom_pass") or not hasattr(SchedulerNode, "snapshot_loop_state"):
+        return None
+
+    def constant(size) -> Optional[int]:
+        try:
+            return int(size)
+        except TypeError:  # symbolic
+            return None
+
+    def block_shapes(nodes) -> dict:
+        """Run length -> (blocks, block) of the one-dimensional per-block reductions on the CPU."""
+        found: dict = {}
+        for node in nodes:
+            if type(node) is SchedulerNode and node.is_reduction() and node.get_device().type == "cpu":
+                _, (index, reduce) = node.group
+                if len(index) == 1 and len(reduce) == 1:
+                    blocks, block = constant(index[0]), constant(reduce[0])
+                    if blocks and block and block >= 16:
+                        found.setdefault(blocks * block, set()).add((blocks, block))
+        return {length: shapes.pop() for length, shapes in found.items() if len(shapes) == 1}
+
+    def split_into(blocks: int, block: int):
+        def split(sizes, body, variables):
+            (index_size, reduce_size), (_, reduce_vars) = sizes, variables
+            (new_vars, _), var_ranges = dependencies.index_vars_no_squeeze([blocks, block], reduce_size, prefix="y")
+            flat = block * new_vars[0] + new_vars[1]
+            # the default loop's one dimension of the run's length (size-1 dimensions index 0)
+            old_vars = [flat if constant(size) != 1 else 0 for size in index_size]
+            body = ir.LoopBody(body, [old_vars, reduce_vars], var_ranges, new_vars, reduce_vars)
+            return ([blocks, block], reduce_size), body, (new_vars, reduce_vars)
+
+        return split
+
+    def reshape(node, blocks: int, block: int) -> None:
+        (index_size, reduce_size), _, _ = node.node.get_default_sizes_body()
+        if reduce_size or [constant(size) for size in index_size].count(1) != len(index_size) - 1:
+            return
+        (new_vars, _), var_ranges = dependencies.index_vars_no_squeeze([blocks, block], [], prefix="y")
+        # the extra index ``y0`` (one value per block) keeps Inductor from merging the two loops again
+        # (torch >= 2.14 takes them as ``ExtraIndexingConstraints``, earlier as a tuple)
+        constraints = getattr(ir, "ExtraIndexingConstraints", lambda *args: args)(var_ranges, [new_vars[0]])
+        state = node.snapshot_loop_state()
+        try:
+            node.recompute_size_and_body(extra_indexing_constraints=constraints,
+                                         recompute_sizes_body_func=split_into(blocks, block))
+            ok = tuple(constant(size) for size in node.group[1][0]) == (blocks, block)
+        except Exception:  # an Inductor whose nodes differ: keep its own loop
+            ok = False
+        if not ok:
+            node.restore_loop_state(state)
+
+    class BlockLoops(CustomSchedulerPass):
+        def __call__(self, nodes):
+            shapes = block_shapes(nodes)
+            for node in nodes if shapes else ():
+                if type(node) is SchedulerNode and not node.is_reduction() and node.get_device().type == "cpu" \
+                        and isinstance(node.node, ir.ComputedBuffer):
+                    _, (index, reduce) = node.group
+                    if len(index) == 1 and not reduce and constant(index[0]) in shapes:
+                        reshape(node, *shapes[constant(index[0])])
+            return nodes
+
+        def uuid(self):
+            return "bagua-block-loops-1"
+
+    return BlockLoops()
 
 
 def inductor_reads_thresholds_raised(extra_reads: int) -> dict:

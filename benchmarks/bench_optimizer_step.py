@@ -41,6 +41,7 @@ from importlib import metadata
 
 import torch
 
+from bagua_integrations import _compile  # (private: only to time a row without block loops)
 from bagua_integrations import fuse_optimizer, fusion_report
 from bagua_integrations.optim import BertAdam, Lamb
 
@@ -110,6 +111,20 @@ def rows(shapes, device="cpu", dtype=torch.float32):
 
         return build_with(lambda ps: pytorch_optimizer.Lamb(ps, lr=1e-4, weight_decay=0.01))(fuse, torch_compile)
 
+    def without_block_loops(rows_for):
+        """The row compiled as before block loops and early stores (its own graphs; the A/B in one run)."""
+        def build(params):
+            step, opt = rows_for(params)
+
+            def step_without():
+                kept, _compile.BLOCK_LOOPS = _compile.BLOCK_LOOPS, False  # read when a graph is compiled
+                try:
+                    step()
+                finally:
+                    _compile.BLOCK_LOOPS = kept
+            return step_without, opt
+        return build
+
     def adamw(fuse=None, torch_compile=False, **kwargs):
         return build_with(lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **kwargs))(fuse, torch_compile)
 
@@ -122,10 +137,13 @@ def rows(shapes, device="cpu", dtype=torch.float32):
         ("torch.compile(BertAdam.step)", bert_adam(torch_compile=True)),
         ("LAMB per-tensor", lamb()),
         ("LAMB fused (segmented), compiled", lamb(fuse=True)),
+        (f"LAMB fused (segmented), compiled, {NO_BLOCK_LOOPS}", without_block_loops(lamb(fuse=True))),
         ("torch.compile(Lamb.step)", lamb(torch_compile=True)),
         ("pytorch-optimizer Lamb (foreach) per-tensor", pytorch_optimizer_lamb()),
         ("pytorch-optimizer Lamb fused (segmented), eager", pytorch_optimizer_lamb(fuse=False)),
         ("pytorch-optimizer Lamb fused (segmented), compiled", pytorch_optimizer_lamb(fuse=True)),
+        (f"pytorch-optimizer Lamb fused (segmented), compiled, {NO_BLOCK_LOOPS}",
+         without_block_loops(pytorch_optimizer_lamb(fuse=True))),
         ("BertAdam max_grad_norm=-1 per-tensor", bert_adam_no_clip()),
         ("BertAdam max_grad_norm=-1 fused, eager", bert_adam_no_clip(fuse=False)),
         # the check for reductions that begin after the probes' window (the eager step's dry run), off
@@ -145,6 +163,9 @@ def rows(shapes, device="cpu", dtype=torch.float32):
 
 
 CHECK_OFF = "late-reduction check off"
+# compiled without the block loops and early stores (Inductor's own loops: the norms' loop recomputes
+# the moments, the update's loop stores them)
+NO_BLOCK_LOOPS = "without block loops"
 
 
 def late_reduction_check_off(opt) -> None:
@@ -228,6 +249,9 @@ ROW_SETS = {
     # the late-reduction check's cost per step: each row beside the same row with the check off
     "late-check": ["BertAdam max_grad_norm=-1 fused, "],
     "traffic": [TRAFFIC],
+    # LAMB compiled with and without block loops and early stores, beside its traffic floors
+    "block-loops": ["LAMB fused (segmented), compiled", "Lamb fused (segmented), compiled", "LAMB minimum",
+                    "LAMB as compiled"],
 }
 
 
@@ -362,7 +386,8 @@ def main(argv=None):
                         help="'bert' (default: BertAdam with per-parameter clipping, LAMB, their torch.compile peers), "
                         "'elementwise' (BertAdam without clipping, torch AdamW variants), 'unfusable' (Adafactor: "
                         "its exact step per parameter, eager and compiled), 'traffic' (the memory traffic of each "
-                        "step's pattern alone), 'late-check' (BertAdam without clipping, eager and compiled, each with and without "
+                        "step's pattern alone), 'block-loops' (LAMB and pytorch-optimizer's Lamb compiled with and without "
+                        "block loops and early stores, beside LAMB's floors), 'late-check' (BertAdam without clipping, eager and compiled, each with and without "
                         "the check for reductions that begin after the probes' window), 'all' (needs ~35 GB on BERT-base), "
                         "or comma-separated substrings of row names")
     args = parser.parse_args(argv)
@@ -388,6 +413,10 @@ def main(argv=None):
     # rows with the late-reduction check off only where asked for (--rows late-check, all, or by name)
     chosen = [(name, build) for name, build in chosen
               if CHECK_OFF not in name or args.rows in ("late-check", "all") or CHECK_OFF in args.rows]
+    # and rows without block loops where asked for (--rows block-loops, all, or by name)
+    chosen = [(name, build) for name, build in chosen
+              if NO_BLOCK_LOOPS not in name or args.rows in ("block-loops", "all") or "LAMB" in args.rows
+              or "Lamb" in args.rows]
     # param, grad and two state tensors per row (the traffic-only rows share one set)
     need = (sum(not name.startswith(TRAFFIC) for name, _ in chosen) + any(name.startswith(TRAFFIC) for name, _ in chosen)
             ) * 4 * numel * dtype.itemsize

@@ -521,3 +521,108 @@ def test_first_graph_must_take_the_counts_symbolic_and_start_each_step_clean(mon
     with pytest.raises(AssertionError):
         _, graphs = _first_graphs(make)
         assert graphs == 1, graphs
+
+
+# ------------------------------------------------------------------------------ early stores, block loops
+class _BlockNet(torch.nn.Module):
+    """Parameters whose runs cut into blocks of 256 (matrices) and 64 (vectors) elements."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(64, 64), torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _counting_stores_early(monkeypatch):
+    from bagua_integrations import _early_stores
+
+    moved = []
+
+    def counting(graph, device_type="cpu"):
+        moved.append(_early_stores.stores_early(graph, device_type))
+        return moved[-1]
+
+    monkeypatch.setattr(_compile, "stores_early", counting)
+    return moved
+
+
+@pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
+                    reason=str(_compile.compile_unavailable_reason("segmented")))
+def test_an_early_store_comes_after_every_read_of_the_old_value(monkeypatch):
+    """``stores_early`` moves an input's write-back to where its value is computed, but never before a
+    read of the input's old value: here the old ``m`` is read with the new one reversed (so after it
+    is computed, and not element by element with its store), and the new one is read again after
+    the write-back (from the written input)."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from bagua_integrations._early_stores import stores_early
+
+    moved = []
+
+    class EarlyStores(CustomGraphPass):
+        def __call__(self, graph):
+            moved.append(stores_early(graph))
+
+        def uuid(self):
+            return "bagua-test-early-stores"
+
+    def step(m, g):
+        new = m * 0.9 + g
+        old_norm = (m * new.flip(0)).sum()
+        m.copy_(new)
+        return (new * 2).sum(), old_norm
+
+    def backend(gm, example_inputs):
+        passes = _compile.inductor_with_post_grad_pass(_compile.inductor_backend(), EarlyStores(),
+                                                       _compile.block_loops_pass())
+        return passes(gm, example_inputs)
+
+    gen = torch.Generator().manual_seed(0)
+    m0, g = torch.randn(64 * 256, generator=gen), torch.randn(64 * 256, generator=gen)
+    m = m0.clone()
+    torch._dynamo.reset()
+    with config.patch({"fx_graph_cache": False}):
+        total, old_norm = torch.compile(step, backend=backend, fullgraph=True)(m, g)
+    torch._dynamo.reset()
+    assert moved == [1], moved
+    assert torch.equal(m, m0 * 0.9 + g)
+    expected = (m0 * (m0 * 0.9 + g).flip(0)).sum()
+    assert torch.allclose(old_norm, expected, rtol=1e-5), (old_norm, expected)
+    assert torch.allclose(total, ((m0 * 0.9 + g) * 2).sum(), rtol=1e-5)
+
+
+@pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
+                    reason=str(_compile.compile_unavailable_reason("segmented")))
+def test_lamb_stores_its_moments_where_it_computes_them_with_the_same_bits(monkeypatch):
+    """LAMB's compiled fused step with its moments stored early (read back by its update, not
+    recomputed) and its loops in blocks: the same bits as without, and the unfused numbers."""
+    from torch._inductor import config
+
+    from bagua_integrations.optim import Lamb
+
+    moved = _counting_stores_early(monkeypatch)
+    data = [(x.repeat(1, 11)[:, :64], torch.randn(16, 128, generator=torch.Generator().manual_seed(i)))
+            for i, (x, _) in enumerate(batches(4))]
+    models = [_BlockNet() for _ in range(3)]
+    opts = [Lamb(models[0].parameters(), lr=1e-2, weight_decay=0.01)]
+    with config.patch({"fx_graph_cache": False}):
+        for flag, model in ((False, models[1]), (True, models[2])):
+            monkeypatch.setattr(_compile, "BLOCK_LOOPS", flag)
+            opts.append(fuse_optimizer(Lamb(model.parameters(), lr=1e-2, weight_decay=0.01), compile=True))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", CompileFallbackWarning)
+                _run(model, opts[-1], data)
+    _run(models[0], opts[0], data)
+    report = fusion_report(opts[2])
+    assert report.compiled and report.group_paths == ["segmented"], report
+    if _compile.block_loops_pass() is None:  # (torch < 2.13: no scheduler pass, so no early stores either)
+        assert moved == [], moved
+    else:
+        assert moved and max(moved) >= 4, moved  # m and v of the matrices' run and of the vectors' run
+    for a, b in zip(models[1].parameters(), models[2].parameters()):
+        assert torch.equal(a, b)
+    assert_same_params(models[0], models[2], rtol=2e-5, atol=1e-6)

@@ -493,7 +493,7 @@ def test_fsdp2_compiled_step_over_nccl_sends_one_all_reduce(name):
     assert result["devices"] == ["cuda:0"] and result["fused"] and result["paths"] == ["segmented"], result
     assert result["compiled"], result
     assert result["error"] <= 1e-5, result
-    from bagua_integrations._batched_combines import post_grad_pass
+    from bagua_integrations._compile import post_grad_pass
 
     if post_grad_pass() is not None:
         assert result["all_reduces_per_step"] == 1, result

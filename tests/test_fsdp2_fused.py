@@ -465,7 +465,7 @@ def test_norms_of_the_local_shard_only_would_be_caught(world, name):
 def test_one_all_reduce_per_compiled_step_for_all_reductions(name):
     """The norms of every run are combined across ranks by one all-reduce per step, not one per
     reduction and run (LAMB: two norms x the runs of matrices and of vectors)."""
-    from bagua_integrations._batched_combines import post_grad_pass
+    from bagua_integrations._compile import post_grad_pass
     from bagua_integrations._compile import compile_unavailable_reason
 
     if compile_unavailable_reason() is not None or post_grad_pass() is None:

@@ -211,7 +211,7 @@ def test_inductor_reads_thresholds_raised_patches_compile_fx(private_api):
 def test_inductor_with_post_grad_pass_runs_the_pass_and_keeps_a_users_own(private_api):
     """Our pass runs on the functional graph Inductor compiles (``post_grad_custom_pre_pass``, through
     ``config_patches``, merged with those a caller passes); a pass the user set is left in place."""
-    from bagua_integrations._batched_combines import post_grad_pass
+    from bagua_integrations._compile import post_grad_pass
     from bagua_integrations._compile import compiler_available
 
     name = "inductor_with_post_grad_pass"
@@ -250,6 +250,48 @@ def test_inductor_with_post_grad_pass_runs_the_pass_and_keeps_a_users_own(privat
             assert compat.inductor_with_post_grad_pass(plain, Count()) is plain  # the user's pass stays
         assert compat.inductor_with_post_grad_pass(plain, None) is plain
         torch._dynamo.reset()
+
+
+def test_block_loops_pass_stores_in_the_loop_that_reduces_per_block(private_api):
+    """A segmented step's shape: a value of the run's length written back to an input and reduced per
+    block. Inductor's C++ backend emits two loops over the run for it (the value computed in each);
+    with the pass, one loop over the blocks that stores and reduces each block. Same bits."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    from bagua_integrations._compile import compiler_available
+
+    name = "block_loops_pass"
+    scheduler_pass = compat.block_loops_pass()
+    if scheduler_pass is None:
+        pytest.skip("this torch's Inductor has no scheduler pass (_pre_fusion_custom_pass)")
+    if not compiler_available():
+        pytest.skip("no working compiler")
+    blocks, block = 512, 256
+
+    def step(m, g):
+        new = m * 0.9 + g * 0.1
+        m.copy_(new)
+        return (new * new).reshape(blocks, block).sum(1)
+
+    gen = torch.Generator().manual_seed(0)
+    m0, g = torch.randn(blocks * block, generator=gen), torch.randn(blocks * block, generator=gen)
+    results = {}
+    with private_api(name):
+        for with_pass in (False, True):
+            def backend(gm, example_inputs, with_pass=with_pass):
+                return compat.inductor_with_post_grad_pass(compat.inductor_backend(), None,
+                                                           scheduler_pass if with_pass else None)(gm, example_inputs)
+            torch._dynamo.reset()
+            m = m0.clone()
+            with config.patch({"fx_graph_cache": False}):
+                out, codes = run_and_get_code(torch.compile(step, backend=backend, fullgraph=True), m, g)
+            results[with_pass] = (m, out, "\n".join(codes).count("#pragma omp for"))
+        torch._dynamo.reset()
+    assert torch.equal(results[True][0], m0 * 0.9 + g * 0.1)
+    assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
+    assert results[False][2] == 2, changed(name, f"without the pass: {results[False][2]} loops, where 2 were seen")
+    assert results[True][2] == 1, changed(name, f"with the pass: {results[True][2]} loops over the run, not one")
 
 
 def test_mark_placeholder_without_source_lets_a_backend_add_several_inputs(private_api):
@@ -528,7 +570,7 @@ TESTED = {
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
     "compiled_steps_unsupported", "floats_used_directly", "floats_need_a_direct_use", "cpu_kernels_truncate_float_min_max",
     "compiled_kernels_may_fuse_multiply_add", "ints_symbolic_from_the_first_graph", "inductor_with_post_grad_pass",
-    "start_cpu_vector_isa_checks",
+    "start_cpu_vector_isa_checks", "block_loops_pass",
 }
 
 
