@@ -518,20 +518,23 @@ def process_group_timeout(group=None):
 
 
 def start_cpu_vector_isa_checks() -> Callable[[], bool]:
-    """Start Inductor's checks of the CPU's vector instruction sets side by side, in threads,
-    instead of in turn; returns the function that waits for them, and says whether one of them
-    built and loaded its test program (so the C++ compiler Inductor uses works, with torch's
-    headers: False when none was started).
+    """Start Inductor's check of the best vector instruction set the CPU reports, in a thread;
+    return the function that waits for it and says whether it built and loaded its test program
+    (so the C++ compiler Inductor uses works, with torch's headers: False when none was started).
 
-    Before its first CPU kernel, Inductor compiles and loads a test program for each instruction
-    set the CPU reports (AVX512-VNNI, AVX512, AVX2 here), one after the other: 5 s of a cold
-    fused step's 11 s start on a 2-core machine. Each check is a compiler process, so run in
-    threads they overlap (3.3 s), and the caller can do other work (import the rest of
-    Inductor) until it waits. Inductor caches each answer, so its own pass then finds them.
-    What the checks import is imported here first, so the threads import nothing while the
-    caller does. Private: ``torch._inductor.cpu_vec_isa`` (``supported_vec_isa_list``,
-    ``x86_isa_checker``, each ISA's cached ``__bool__``); checked on torch 2.13. Anything
-    unexpected: nothing is started, and Inductor checks them in turn as before.
+    Before its first CPU kernel, Inductor compiles and loads a test program for every instruction
+    set the CPU reports, one after the other, although it uses only the best of them: AMX,
+    AVX512-VNNI, AVX512 and AVX2 on a Sapphire Rapids VM, two programs each for the AVX512 family
+    (with and without AVX512-BF16), 7 compiler runs and 9-12 s of a cold fused step's start on 2
+    cores. Here only the best is checked, while the caller does other work (imports the rest of
+    Inductor) until it waits. When it built, the others are answered from it without compiling:
+    their flags are subsets of its flags (``-mavx512f`` implies ``-mavx2``), on the same compiler
+    and CPU; their AVX512-BF16 answer is its answer. Inductor caches each answer, so its own pass
+    then finds them all. When the best one does not build, nothing else is answered and Inductor
+    checks the rest in turn, as without this. Private: ``torch._inductor.cpu_vec_isa``
+    (``supported_vec_isa_list``, best first; ``x86_isa_checker``; each ISA's cached ``__bool__``,
+    which calls ``self.check_build``); checked on torch 2.5.1-2.14.1. Anything unexpected: nothing
+    is started, and Inductor checks them in turn as before.
     """
     try:
         from concurrent.futures import ThreadPoolExecutor
@@ -550,20 +553,28 @@ def start_cpu_vector_isa_checks() -> Callable[[], bool]:
         import torch._inductor.cpp_builder  # noqa: F401
         import torch.utils.cpp_extension  # noqa: F401  (imported by the first build: setuptools)
 
-        pool = ThreadPoolExecutor(len(candidates), thread_name_prefix="vec-isa-check")
-        futures = [pool.submit(bool, isa) for isa in candidates]
+        best, others = candidates[0], candidates[1:]
+        base_code = cpu_vec_isa.VecISA._avx_code
+        pool = ThreadPoolExecutor(1, thread_name_prefix="vec-isa-check")
+        future = pool.submit(bool, best)
         pool.shutdown(wait=False)
     except Exception:
         return _nothing_to_wait_for
 
     def wait() -> bool:
-        built = False
-        for future in futures:
-            try:
-                built = bool(future.result()) or built
-            except Exception:
-                pass  # Inductor checks that one again itself, and meets the error there
-        return built
+        try:
+            if not future.result():
+                return False
+            bf16 = bool(getattr(best, "_is_avx512_bf16_supported", False))
+            for isa in others:
+                isa.check_build = lambda code: code == base_code or bf16  # (read by its cached __bool__)
+                try:
+                    bool(isa)
+                finally:
+                    del isa.check_build
+        except Exception:
+            return False  # Inductor checks what is left itself, and meets the error there
+        return True
 
     return wait
 
