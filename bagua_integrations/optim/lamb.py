@@ -58,7 +58,10 @@ class Lamb(torch.optim.Optimizer):
                 step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
                 exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                update = (exp_avg / (1 - beta1**step)) / ((exp_avg_sq / (1 - beta2**step)).sqrt() + group["eps"])
+                # bias corrections as reciprocals: one division per element, not three (the step is
+                # bound by arithmetic, not memory, with three); the same math up to rounding
+                unbias1, unbias2 = 1 / (1 - beta1**step), 1 / (1 - beta2**step)
+                update = (exp_avg * unbias1) / ((exp_avg_sq * unbias2).sqrt() + group["eps"])
                 if group["weight_decay"] > 0:
                     update.add_(p, alpha=group["weight_decay"])
                 weight_norm, update_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(update)
