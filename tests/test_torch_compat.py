@@ -880,13 +880,20 @@ from bagua_integrations import _torch_compat as compat
 if platform.machine() not in ("x86_64", "AMD64"):
     print(json.dumps({"skip": platform.machine()}))
     sys.exit()
-compiled, original = [], cpu_vec_isa.VecISA.check_build
+from torch._inductor import cpp_builder
+compiled, programs, builds, original, build = [], set(), [], cpu_vec_isa.VecISA.check_build, cpp_builder.CppBuilder.build
 
 def recording(self, code):
     compiled.append((str(self), threading.current_thread().name))
+    programs.add(code)
     return original(self, code)
 
+def counting(self, *args, **kwargs):
+    builds.append(threading.current_thread().name)
+    return build(self, *args, **kwargs)
+
 cpu_vec_isa.VecISA.check_build = recording
+cpp_builder.CppBuilder.build = counting
 reported = cpu_vec_isa.x86_isa_checker()
 candidates = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
               if str(isa).split() and all(flag in reported for flag in str(isa).split())]
@@ -902,13 +909,15 @@ valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
 bf16 = [bool(getattr(isa, "_is_avx512_bf16_supported", False)) for isa in cpu_vec_isa.valid_vec_isa_list()
         if hasattr(isa, "_is_avx512_bf16_supported")]
 print(json.dumps({"compiled": compiled, "built": built, "candidates": candidates, "valid": valid,
-                  "picked": str(cpu_vec_isa.pick_vec_isa()), "bf16": bf16}))
+                  "picked": str(cpu_vec_isa.pick_vec_isa()), "bf16": bf16, "programs": len(programs),
+                  "builds": builds}))
 """
 
 
 def test_only_the_best_vector_isa_is_compiled_and_inductor_reuses_the_answers(tmp_path):
-    """Of the ISAs the CPU reports, only the best (the one Inductor uses) is compiled, in a thread,
-    while the main thread imports the rest of Inductor; the others are answered from it, and
+    """Of the ISAs the CPU reports, only the best (the one Inductor uses) is compiled, in a thread
+    (its further programs in a second one, each built once), while the main thread imports the
+    rest of Inductor; the others are answered from it, and
     Inductor's own pass then compiles nothing and finds every reported ISA valid, the best one
     picked (an empty cache directory: the cold start a user's first run pays)."""
     import json
@@ -932,3 +941,9 @@ def test_only_the_best_vector_isa_is_compiled_and_inductor_reuses_the_answers(tm
     assert all(thread.startswith("vec-isa-check") for _, thread in seen["compiled"]), seen
     assert seen["valid"] == seen["candidates"] and seen["picked"] == best, seen
     assert len(set(seen["bf16"])) <= 1, seen  # the others' AVX512-BF16 answer is the best one's
+    # each program built once: the best one's further programs (AVX512-BF16, VNNI, AMX), built in a
+    # second thread beside its base program, are the very ones its check then asks for
+    assert len(seen["builds"]) == seen["programs"], changed(
+        "start_cpu_vector_isa_checks", f"{len(seen['builds'])} builds of {seen['programs']} programs")
+    if seen["programs"] > 1:
+        assert len(set(seen["builds"])) == 2, seen  # side by side
