@@ -14,6 +14,7 @@ local ``+cpu``/``+cu130`` part) and name the releases they cover.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 import os
@@ -223,6 +224,7 @@ def inductor_with_post_grad_pass(compile_graph: Callable, graph_pass, scheduler_
     return compile_with_pass
 
 
+@functools.lru_cache(maxsize=None)  # one pass object for every graph (it keeps no state between calls)
 def block_loops_pass():
     """An Inductor scheduler pass (``_pre_fusion_custom_pass``) that lets a CPU kernel store what
     it computes in the same loop that reduces it per block; None where torch has no such pass.
