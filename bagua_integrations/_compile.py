@@ -102,7 +102,7 @@ class ScalarsAsOperands(TorchFunctionMode):
     """Rewrite scalar-keyword arithmetic into tensor-times-scalar so Dynamo keeps scalars dynamic."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        kwargs = dict(kwargs) if kwargs else {}  # (dict() of an empty one: calls a compiled step's trace inlines)
         if func in _ADD_LIKE and "alpha" in kwargs and len(args) == 2 and isinstance(args[1], _T):
             alpha = kwargs.pop("alpha")
             return _ADD_LIKE[func](args[0], args[1] * alpha, **kwargs)

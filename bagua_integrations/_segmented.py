@@ -225,10 +225,10 @@ class Segmentation:
     def __post_init__(self):
         self.key = f"segmentation{next(_KEYS)}"
         _BY_KEY[self.key] = self
-
-    @property
-    def segments(self) -> int:
-        return len(self.pieces)
+        # plain attributes, not properties: a compiled step's trace reads them per op, and each
+        # property is a call it inlines (a cached_property takes a lock Dynamo cannot trace)
+        self.segments: int = len(self.pieces)
+        self.scalar_shape: Tuple[int, ...] = segment_scalar_shape(self.segments, self.tag)
 
     @property
     def length(self) -> int:
@@ -244,9 +244,6 @@ class Segmentation:
         """Elements of its parameters, the padding's not counted (whole parameters' over shards)."""
         return sum(self.segment_numels)
 
-    @property
-    def scalar_shape(self) -> Tuple[int, ...]:
-        return segment_scalar_shape(self.segments, self.tag)
 
     @cached_property
     def flattened(self) -> "Segmentation":
@@ -474,28 +471,42 @@ def _reduce_scalars(name: str, x: torch.Tensor, other: Optional[torch.Tensor], o
 
 
 def _leaves(obj, out: List[Any]) -> List[Any]:
-    """The leaves of ``obj`` (nested tuples, lists, dicts): torch's pytree costs too much per op."""
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            _leaves(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _leaves(item, out)
-    else:
+    """The leaves of ``obj`` (nested tuples, lists, dicts): torch's pytree costs too much per op.
+    Plain loops, each leaf appended where it is met: a compiled step traces this for every op, and
+    each call Dynamo inlines (a comprehension is one on Python 3.11) costs far more than a loop's
+    own instructions."""
+    if isinstance(obj, dict):
+        obj = obj.values()
+    elif not isinstance(obj, (tuple, list)):
         out.append(obj)
+        return out
+    for item in obj:
+        if isinstance(item, _CONTAINERS):
+            _leaves(item, out)
+        else:
+            out.append(item)
     return out
 
 
 def _map(fn, obj):
-    """``obj`` with every leaf replaced by ``fn(leaf)`` (containers rebuilt, named tuples kept)."""
-    if isinstance(obj, list):
-        return [_map(fn, item) for item in obj]
-    if isinstance(obj, tuple):
-        items = [_map(fn, item) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    """``obj`` with every leaf replaced by ``fn(leaf)`` (containers rebuilt, named tuples kept;
+    plain loops, as in :func:`_leaves`)."""
     if isinstance(obj, dict):
-        return {key: _map(fn, item) for key, item in obj.items()}
-    return fn(obj)
+        mapped = {}
+        for key, item in obj.items():
+            mapped[key] = _map(fn, item) if isinstance(item, _CONTAINERS) else fn(item)
+        return mapped
+    if not isinstance(obj, (tuple, list)):
+        return fn(obj)
+    items = []
+    for item in obj:
+        items.append(_map(fn, item) if isinstance(item, _CONTAINERS) else fn(item))
+    if isinstance(obj, list):
+        return items
+    return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+
+
+_CONTAINERS = (tuple, list, dict)
 
 
 class RunValues(list):
@@ -557,7 +568,9 @@ _SHAPE_READS = {torch.Tensor.size, torch.Tensor.stride, torch.Tensor.unsqueeze, 
 
 def _along_dims(func, kwargs) -> bool:
     """``func`` works along named dimensions (``dim=``/``axis=``), which a run does not have."""
-    return func not in _SHAPE_READS and any(kwargs.get(key) is not None for key in _DIM_KEYWORDS)
+    # (no any() over a generator: each would be a call a compiled step's trace inlines per op)
+    return bool(kwargs) and func not in _SHAPE_READS and (kwargs.get("dim") is not None
+                                                          or kwargs.get("axis") is not None)
 
 
 def _gathered(func, seg: "Segmentation", values: List[Any], along_dims: bool) -> torch.Tensor:
@@ -748,11 +761,13 @@ class SegmentedMode(TorchFunctionMode):
         if func in _FOREACH:
             return self._foreach(func, args, kwargs)
         if "run" in kinds:
-            return self._on_runs(func, seg, args, kwargs)
+            return self._on_runs(func, seg, args, kwargs, with_scalars="scalar" in kinds)
         return self._on_scalars(func, seg, args, kwargs)
 
     # ------------------------------------------------------------------ run-shaped inputs
-    def _on_runs(self, func, seg: Segmentation, args, kwargs):
+    def _on_runs(self, func, seg: Segmentation, args, kwargs, with_scalars: bool = True):
+        """``func`` on a run (and per-parameter values, where ``with_scalars``: the caller found an
+        operand of a segment-scalar shape; without one, nothing needs expanding)."""
         out = kwargs.get("out")
         into_run = out is None or (isinstance(out, torch.Tensor) and tuple(out.shape) == seg.shape)
         if not into_run or (func in _IN_PLACE and args and isinstance(args[0], torch.Tensor)
@@ -776,11 +791,14 @@ class SegmentedMode(TorchFunctionMode):
             out = self._per_parameter_arithmetic(func, seg, args, kwargs)
             if out is not None:
                 return out
-        expand = seg.expand_indexed if torch.compiler.is_compiling() else seg.expand
-        expanded_args, expanded_kwargs = _map(
-            lambda x: expand(x) if isinstance(x, torch.Tensor) and tuple(x.shape) == seg.scalar_shape else x,
-            (args, kwargs),
-        )
+        if with_scalars:
+            expand = seg.expand_indexed if torch.compiler.is_compiling() else seg.expand
+            expanded_args, expanded_kwargs = _map(
+                lambda x: expand(x) if isinstance(x, torch.Tensor) and tuple(x.shape) == seg.scalar_shape else x,
+                (args, kwargs),
+            )
+        else:
+            expanded_args, expanded_kwargs = args, kwargs
         out = func(*expanded_args, **expanded_kwargs)
         if not isinstance(out, torch.Tensor):
             if isinstance(out, tuple) and out and all(isinstance(o, torch.Tensor) and o.numel() == 1 for o in out):
@@ -808,8 +826,8 @@ class SegmentedMode(TorchFunctionMode):
         expands): a GPU, a compiled step, small parameters, mixed or non-float dtypes (a 0-dim value
         promotes otherwise), ``out=``, or operands other than runs, per-parameter values and 0-dim
         tensors."""
-        if (not args or "out" in kwargs or seg.length < PER_SEGMENT_MIN_ELEMENTS * seg.segments
-                or torch.compiler.is_compiling()):
+        if (torch.compiler.is_compiling() or not args or "out" in kwargs
+                or seg.length < PER_SEGMENT_MIN_ELEMENTS * seg.segments):
             return None
         if func in _IN_PLACE and not (isinstance(args[0], torch.Tensor) and tuple(args[0].shape) == seg.shape):
             return None
