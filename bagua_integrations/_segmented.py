@@ -244,7 +244,6 @@ class Segmentation:
         """Elements of its parameters, the padding's not counted (whole parameters' over shards)."""
         return sum(self.segment_numels)
 
-
     @cached_property
     def flattened(self) -> "Segmentation":
         """This run with each parameter flattened (``p.view(-1)``): rank 1, the same segments."""
@@ -470,16 +469,19 @@ def _reduce_scalars(name: str, x: torch.Tensor, other: Optional[torch.Tensor], o
     return out.reshape(seg.scalar_shape)
 
 
+_CONTAINERS = (tuple, list, dict)
+
+
 def _leaves(obj, out: List[Any]) -> List[Any]:
     """The leaves of ``obj`` (nested tuples, lists, dicts): torch's pytree costs too much per op.
     Plain loops, each leaf appended where it is met: a compiled step traces this for every op, and
     each call Dynamo inlines (a comprehension is one on Python 3.11) costs far more than a loop's
     own instructions."""
-    if isinstance(obj, dict):
-        obj = obj.values()
-    elif not isinstance(obj, (tuple, list)):
+    if not isinstance(obj, _CONTAINERS):
         out.append(obj)
         return out
+    if isinstance(obj, dict):
+        obj = obj.values()
     for item in obj:
         if isinstance(item, _CONTAINERS):
             _leaves(item, out)
@@ -504,9 +506,6 @@ def _map(fn, obj):
     if isinstance(obj, list):
         return items
     return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-
-
-_CONTAINERS = (tuple, list, dict)
 
 
 class RunValues(list):
@@ -568,9 +567,12 @@ _SHAPE_READS = {torch.Tensor.size, torch.Tensor.stride, torch.Tensor.unsqueeze, 
 
 def _along_dims(func, kwargs) -> bool:
     """``func`` works along named dimensions (``dim=``/``axis=``), which a run does not have."""
-    # (no any() over a generator: each would be a call a compiled step's trace inlines per op)
-    return bool(kwargs) and func not in _SHAPE_READS and (kwargs.get("dim") is not None
-                                                          or kwargs.get("axis") is not None)
+    # (a plain loop, not any() over a generator: each would be a call a compiled step's trace inlines per op)
+    if kwargs and func not in _SHAPE_READS:
+        for key in _DIM_KEYWORDS:
+            if kwargs.get(key) is not None:
+                return True
+    return False
 
 
 def _gathered(func, seg: "Segmentation", values: List[Any], along_dims: bool) -> torch.Tensor:

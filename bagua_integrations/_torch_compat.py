@@ -628,7 +628,7 @@ def _build_quietly(programs: list) -> None:
     call of ``check_build`` then loads each and decides)."""
     for isa, code in programs:
         try:
-            type(isa).check_build(isa, code)
+            isa.check_build(code)
         except Exception:
             pass
 
