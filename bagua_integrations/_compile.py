@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import sys
 import time
 import types
@@ -142,21 +143,30 @@ def compiler_available(device_type: str = "cpu") -> bool:
     build (a compiler without OpenMP), the step that needed it runs eagerly, with one warning."""
     works = _COMPILER_WORKS.get(device_type)
     if works is None:
-        if device_type == "cpu":
-            isa_checks = start_cpu_vector_isa_checks()
-            try:  # the rest of Inductor's imports (about 1 s) while the checks' compilers run
-                import torch._inductor.compile_fx  # noqa: F401
-            except Exception:
-                pass  # the probe meets it
-            works = isa_checks() or None  # built and loaded a program as Inductor builds its kernels
-        if works is None:
-            try:
-                probe = torch.compile(lambda x: x * 2 + 1, fullgraph=True)
-                works = bool(probe(torch.ones(8, device=device_type))[0] == 3)
-            except Exception:  # any failure means "not here"
-                works = False
+        works = (device_type == "cpu" and _cpu_vector_isa_checked()) or _probe_compile(device_type)
         _COMPILER_WORKS[device_type] = works
     return works
+
+
+def _cpu_vector_isa_checked() -> bool:
+    """Whether Inductor's check of the CPU's vector instructions built and loaded its test program."""
+    isa_checks = start_cpu_vector_isa_checks()
+    # The rest of Inductor's imports (about 1 s) while the checks' compilers run. By name: a plain
+    # ``import torch._inductor...`` in a function makes ``torch`` one of its local names.
+    try:
+        importlib.import_module("torch._inductor.compile_fx")
+    except Exception:
+        pass  # the probe meets it
+    return bool(isa_checks())
+
+
+def _probe_compile(device_type: str) -> bool:
+    """Whether Inductor compiles and runs a small function on a ``device_type`` tensor."""
+    try:
+        probe = torch.compile(lambda x: x * 2 + 1, fullgraph=True)
+        return bool(probe(torch.ones(8, device=device_type))[0] == 3)
+    except Exception:  # any failure means "not here"
+        return False
 
 
 def compile_unavailable_reason(path: str = "elementwise", device_type: str = "cpu") -> Optional[str]:

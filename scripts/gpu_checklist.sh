@@ -15,6 +15,10 @@
 #   host: segmented CUDA tests, then the step's host overhead (--model tiny) and BERT-base (~5 min)
 #   profile: tests/test_cuda.py, then where the host time of a step goes (benchmarks/profile_step_host.py,
 #            201 tiny tensors), then the step benchmark's host rows on BERT-base; ~7.5 min
+#   recheck: after CPU-side changes (~9 min): the FSDP2 step with new gradients each step (NCCL, one rank),
+#            the step benchmark's fused rows beside torch's fused AdamW and the traffic floors on BERT-base,
+#            fp32, then the uint8 codec. Run tests-cuda in a call of its own first: on a machine's cold
+#            caches each compiled optimizer's first compile takes 45-60 s there (H200, torch 2.11)
 #   recipe: Bagua's BERT-base table (python -m recipes.bert_benchmark --preset bert-base), fp32 then bf16,
 #           on RECIPE_EPOCHS of an epoch (default 0.05: ~105 updates a row, epoch time extrapolated)
 #
@@ -96,7 +100,7 @@ run_logged() {
 left() { echo $((PART_BUDGET - (SECONDS - START))); }
 
 tests_cuda() {
-    local limit=$CUDA_TESTS_BUDGET
+    local limit=${1:-$CUDA_TESTS_BUDGET}
     [ "$(left)" -lt "$limit" ] && limit=$(left)
     # shellcheck disable=SC2046
     run_logged "$limit" "$OUT/tests_cuda.log" $PY -m pytest -q -rs $(timeout_args) ${PYTEST_EXTRA:-} tests/test_cuda.py
@@ -147,6 +151,8 @@ fsdp2_offload() {
 LENT_ROWS="BertAdam fused (segmented),LAMB per-tensor,LAMB fused (segmented),pytorch-optimizer Lamb,\
 torch AdamW foreach=True,torch AdamW fused by bagua,torch.compile(AdamW.step),traffic only"
 HOST_ROWS="BertAdam fused (segmented),LAMB fused (segmented),pytorch-optimizer Lamb,torch AdamW foreach=True,torch AdamW fused by bagua"
+RECHECK_ROWS="BertAdam fused (segmented),LAMB fused (segmented),pytorch-optimizer Lamb,torch AdamW foreach=True,\
+torch AdamW fused by bagua,fused=True,traffic only: AdamW,LAMB minimum"
 LENT_BF16_ROWS="BertAdam fused (segmented),LAMB fused (segmented),torch AdamW fused by bagua,traffic only: AdamW"
 
 case "${1:-}" in
@@ -177,8 +183,9 @@ case "${1:-}" in
                 --preset bert-base --epochs "${RECIPE_EPOCHS:-0.05}" --precision $precision --no-progress \
                 --out-dir "$OUT/recipe_$precision"
         done ;;
+    recheck) environment; fsdp2 200; bench fp32 $(($(left) - 40)) "$RECHECK_ROWS"; codec "$(left)" ;;
     lent) environment; bench fp32 270 "$LENT_ROWS"; codec 70; fsdp2 120; bench bf16 "$(left)" "$LENT_BF16_ROWS" ;;
-    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|host|profile|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2|fsdp2-offload|fsdp2-all}" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|recheck|host|profile|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2|fsdp2-offload|fsdp2-all}" >&2; exit 2 ;;
 esac
 echo "# part '${1}' done in $((SECONDS - START)) s, status $STATUS; logs in $OUT"
 exit $STATUS

@@ -166,6 +166,24 @@ def test_the_compiler_is_probed_on_the_parameters_device_once(monkeypatch):
     assert _compile.compile_unavailable_reason(device_type="cpu") is None
 
 
+def test_a_gpu_is_probed_with_its_own_tensors_and_the_probe_works(monkeypatch):
+    """CUDA tensors are answered by the probe alone, run on their device, without the CPU's checks.
+    A local ``import torch._inductor...`` in the CPU's branch once made ``torch`` a local name that
+    the CUDA branch read unbound: every GPU probe failed, silently, and every compiled step on a GPU
+    ran eagerly (H200, torch 2.11: 9 compiled CUDA tests failed). The probe itself runs here on CPU
+    tensors, as it runs on CUDA ones there."""
+    probed = []
+    monkeypatch.setattr(_compile, "_COMPILER_WORKS", {})
+    monkeypatch.setattr(_compile, "_probe_compile", lambda device_type: probed.append(device_type) or True)
+    monkeypatch.setattr(_compile, "start_cpu_vector_isa_checks",
+                        lambda: pytest.fail("a CUDA probe started the CPU's vector-instruction checks"))
+    assert _compile.compiler_available("cuda") is True and probed == ["cuda"]
+    assert _compile.compiler_available("cuda") is True and probed == ["cuda"]  # once per process
+    monkeypatch.undo()
+    assert _compile._probe_compile("cpu") is True
+    assert _compile._probe_compile("meta") is False  # no kernel runs on meta tensors
+
+
 _COMPILER_CHECK = r"""
 import json, torch
 from bagua_integrations import _compile
