@@ -32,6 +32,7 @@ __all__ = [
     "CHECKED_ON",
     "compiled_steps_unsupported",
     "start_cpu_vector_isa_checks",
+    "inductor_checked_cpu_vector_isas",
     "unwrapped_step",
     "forget_float_specializations",
     "floats_need_a_direct_use",
@@ -517,6 +518,20 @@ def process_group_timeout(group=None):
 
     pg = dist.group.WORLD if group is None else group
     return pg._get_backend(torch.device("cpu")).options._timeout
+
+
+def inductor_checked_cpu_vector_isas() -> bool:
+    """Whether Inductor has checked the CPU's vector instruction sets in this process, which it does
+    before its first CPU kernel. On a GPU machine that means a CUDA step's graph held a CPU kernel
+    (torch.optim's step counts are CPU tensors): the checks and the C++ compiler then add seconds
+    to its first compile. Private: ``torch._inductor.cpu_vec_isa.valid_vec_isa_list`` (a
+    ``functools.cache``); False where that is missing."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        return cpu_vec_isa.valid_vec_isa_list.cache_info().currsize > 0
+    except Exception:
+        return False
 
 
 def start_cpu_vector_isa_checks() -> Callable[[], bool]:

@@ -43,6 +43,7 @@ import torch
 
 from bagua_integrations import _compile  # (private: only to time a row without block loops)
 from bagua_integrations import fuse_optimizer, fusion_report
+from bagua_integrations._torch_compat import inductor_checked_cpu_vector_isas  # (private: a GPU start's cost)
 from bagua_integrations.optim import BertAdam, Lamb
 
 BYTES_PER_PARAM_ADAM = 28  # read p, g, m, v (16 B) + write p, m, v (12 B), fp32
@@ -426,7 +427,7 @@ def main(argv=None):
                      "(every row stays alive to be timed round-robin): choose fewer with --rows")
     for name, build in chosen:
         params = make_params(shapes, device=args.device, dtype=dtype)  # not timed: random numbers take seconds
-        started = time.perf_counter()
+        started, cpu_checks_before = time.perf_counter(), inductor_checked_cpu_vector_isas()
         try:
             step, opt = build(params)
             with warnings.catch_warnings():
@@ -445,6 +446,8 @@ def main(argv=None):
         note = f" (compile {report.compile_seconds:.1f} s)" if report and report.compiled else ""
         if name.startswith("torch.compile("):
             note = " (including torch.compile)"
+        if cuda and not cpu_checks_before and inductor_checked_cpu_vector_isas():
+            note += "; Inductor checked the host CPU's vector instructions here: the graph holds a CPU kernel"
         print(f"#   warmed up {name} in {setup:.1f} s{note}", flush=True)
     times = {name: [] for name, *_ in built}
     host = {name: [] for name, *_ in built}

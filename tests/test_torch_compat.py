@@ -947,3 +947,16 @@ def test_only_the_best_vector_isa_is_compiled_and_inductor_reuses_the_answers(tm
         "start_cpu_vector_isa_checks", f"{len(seen['builds'])} builds of {seen['programs']} programs")
     if seen["programs"] > 1:
         assert len(set(seen["builds"])) == 2, seen  # side by side
+
+
+def test_inductor_checked_cpu_vector_isas_follows_inductors_own_cache(monkeypatch):
+    """The benchmarks' sign that a CUDA step's graph held a CPU kernel: Inductor's cached ISA list."""
+    from torch._inductor import cpu_vec_isa
+
+    torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(8))  # a CPU kernel: Inductor checks
+    assert compat.inductor_checked_cpu_vector_isas() is True
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    assert compat.inductor_checked_cpu_vector_isas() is False
+    cpu_vec_isa.valid_vec_isa_list()  # answered again from the cached per-ISA checks
+    monkeypatch.delattr(cpu_vec_isa, "valid_vec_isa_list")
+    assert compat.inductor_checked_cpu_vector_isas() is False  # a torch without it: no answer, no error
