@@ -391,7 +391,12 @@ def main(argv=None):
                         "block loops and early stores, beside LAMB's floors), 'late-check' (BertAdam without clipping, eager and compiled, each with and without "
                         "the check for reductions that begin after the probes' window), 'all' (needs ~35 GB on BERT-base), "
                         "or comma-separated substrings of row names")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole run (a lent GPU's time): no row but the references starts its warm-up "
+                        "after 70%% of it (those rows are reported as not run, which --require-compiled counts as failed), and "
+                        "timing stops at the budget once every row has 3 steps, so the table is always printed")
     args = parser.parse_args(argv)
+    run_started = time.perf_counter()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
@@ -426,6 +431,11 @@ def main(argv=None):
         parser.error(f"{len(chosen)} rows need about {need / 2**30:.0f} GiB of {have / 2**30:.0f} GiB available "
                      "(every row stays alive to be timed round-robin): choose fewer with --rows")
     for name, build in chosen:
+        if (args.budget is not None and time.perf_counter() - run_started > 0.7 * args.budget
+                and name not in (BASELINE, TORCH_FUSED)):  # the references: warm in no time, and every ratio needs them
+            failed.append((name, f"not run: 70% of --budget {args.budget:.0f} s had passed before its warm-up"))
+            print(f"#   {name}: {failed[-1][1]}", flush=True)
+            continue
         params = make_params(shapes, device=args.device, dtype=dtype)  # not timed: random numbers take seconds
         started, cpu_checks_before = time.perf_counter(), inductor_checked_cpu_vector_isas()
         try:
@@ -451,7 +461,10 @@ def main(argv=None):
         print(f"#   warmed up {name} in {setup:.1f} s{note}", flush=True)
     times = {name: [] for name, *_ in built}
     host = {name: [] for name, *_ in built}
-    for _ in range(repeats):
+    for done in range(repeats):
+        if args.budget is not None and done >= 3 and time.perf_counter() - run_started > args.budget:
+            print(f"# --budget {args.budget:.0f} s reached: {done} timed steps per row", flush=True)
+            break
         for name, step, *_ in built:
             if cuda:
                 seconds, issued = _timed_cuda(step)

@@ -119,7 +119,7 @@ bench() {
     [ "$(left)" -lt "$limit" ] && limit=$(left)
     run_logged "$limit" "$OUT/bench_$dtype.log" $PY benchmarks/bench_optimizer_step.py --device cuda --dtype "$dtype" \
         --model "${BENCH_MODEL:-bert-base}" --repeats "${BENCH_REPEATS:-30}" --json "$OUT/step_$dtype.json" \
-        --rows "${3:-${BENCH_ROWS:-bert}}" --require-compiled
+        --rows "${3:-${BENCH_ROWS:-bert}}" --require-compiled --budget $((limit - 20))
 }
 
 codec() {
