@@ -584,3 +584,39 @@ def test_hsdp_replicated_and_sharded_mesh():
     for worst, paths, fused, _ in _value(4, "hsdp-bertadam"):
         assert fused and paths == ["segmented"]
         assert worst < RTOL, worst
+
+
+def test_a_usual_steps_state_is_followed_for_all_parameters_at_once():
+    """``_ShownAll``: the same state objects with new Python numbers are followed in one pass (the
+    numbers copied into the shown entries); anything else (a replaced tensor, a new key, an edited
+    or replaced shown entry, a number become a tensor, new state) leaves it to the pass over each
+    parameter, changing nothing."""
+    from bagua_integrations._sharded import _EMPTY, _ShownAll
+
+    def fresh():
+        shard_state = {"a": {"step": 1, "exp_avg": torch.zeros(3)}, "c": {"step": 1.0}}
+        state = {"A": {"step": 1, "exp_avg": torch.zeros(3)}, "C": {"step": 1.0}}
+        sources, entries = [shard_state["a"], _EMPTY, shard_state["c"]], [state["A"], _EMPTY, state["C"]]
+        return shard_state, state, _ShownAll(shard_state, state, sources, entries)
+
+    shard_state, state, followed = fresh()
+    shard_state["a"]["step"], shard_state["c"]["step"] = 2, 2.5
+    assert followed.follow(shard_state, state)
+    assert state["A"]["step"] == 2 and state["C"]["step"] == 2.5 and _EMPTY == {}
+    shard_state["a"]["step"] = 3
+    assert followed.follow(shard_state, state) and state["A"]["step"] == 3  # and again, from the new values
+
+    def refused(change):
+        shard_state, state, followed = fresh()
+        change(shard_state, state)
+        before = {k: dict(e) for k, e in state.items()}
+        assert not followed.follow(shard_state, state)
+        assert all(before[k].keys() == e.keys() and all(before[k][n] is e[n] for n in e) for k, e in state.items())
+
+    refused(lambda s, e: s["a"].__setitem__("exp_avg", torch.ones(3)))  # the step replaced a state tensor
+    refused(lambda s, e: s["a"].__setitem__("exp_avg_sq", torch.ones(3)))  # a new key
+    refused(lambda s, e: e["A"].__setitem__("exp_avg", torch.ones(3)))  # the program edited a shown entry
+    refused(lambda s, e: s["c"].__setitem__("step", torch.tensor(2.0)))  # a number became a tensor
+    refused(lambda s, e: s.__setitem__("b", {"step": 1}))  # a parameter got state
+    refused(lambda s, e: e.__setitem__("A", dict(e["A"])))  # a shown entry replaced (load_state_dict)
+    refused(lambda s, e: s.__setitem__("a", dict(s["a"])))  # the shard optimizer's entry replaced
