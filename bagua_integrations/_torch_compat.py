@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import operator
 import os
@@ -350,7 +351,7 @@ def mark_placeholder_without_source(node, index: int) -> None:
     ``None`` for any number of them (as DDPOptimizer's split graphs have); torch 2.5 refuses a
     second ``None``, so there each gets a source of its own name (used only to name it)."""
     try:
-        import torch._functorch._aot_autograd.frontend_utils  # noqa: F401
+        importlib.import_module("torch._functorch._aot_autograd.frontend_utils")
     except ImportError:
         from torch._dynamo.source import LocalSource
 
@@ -566,9 +567,10 @@ def start_cpu_vector_isa_checks() -> Callable[[], bool]:
                       if str(isa).split() and all(flag in reported for flag in str(isa).split())]
         if len(candidates) < 2:
             return _nothing_to_wait_for
-        import torch._inductor.codecache  # noqa: F401  (what VecISA.check_build imports)
-        import torch._inductor.cpp_builder  # noqa: F401
-        import torch.utils.cpp_extension  # noqa: F401  (imported by the first build: setuptools)
+        for module in ("torch._inductor.codecache",  # what VecISA.check_build imports
+                       "torch._inductor.cpp_builder",
+                       "torch.utils.cpp_extension"):  # imported by the first build: setuptools
+            importlib.import_module(module)
 
         best, others = candidates[0], candidates[1:]
         base_code = cpu_vec_isa.VecISA._avx_code

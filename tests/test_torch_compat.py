@@ -949,6 +949,9 @@ def test_only_the_best_vector_isa_is_compiled_and_inductor_reuses_the_answers(tm
         assert len(set(seen["builds"])) == 2, seen  # side by side
 
 
+TESTED.add("inductor_checked_cpu_vector_isas")
+
+
 def test_inductor_checked_cpu_vector_isas_follows_inductors_own_cache(monkeypatch):
     """The benchmarks' sign that a CUDA step's graph held a CPU kernel: Inductor's cached ISA list."""
     from torch._inductor import cpu_vec_isa
@@ -960,3 +963,40 @@ def test_inductor_checked_cpu_vector_isas_follows_inductors_own_cache(monkeypatc
     cpu_vec_isa.valid_vec_isa_list()  # answered again from the cached per-ISA checks
     monkeypatch.delattr(cpu_vec_isa, "valid_vec_isa_list")
     assert compat.inductor_checked_cpu_vector_isas() is False  # a torch without it: no answer, no error
+
+
+def _submodule_imports_in_functions(source: str):
+    """(function, line, module) of each ``import a.b`` inside a function: it binds ``a`` as a local
+    name of the whole function, so ``a`` read on a path that skips the import is unbound."""
+    import ast
+
+    found = []
+    for function in ast.walk(ast.parse(source)):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    found += [(function.name, node.lineno, alias.name) for alias in node.names
+                              if "." in alias.name and alias.asname is None]
+    return found
+
+
+def test_no_function_imports_a_submodule_by_a_plain_import():
+    """A plain ``import torch._inductor.compile_fx`` in the compiler check's CPU branch made ``torch``
+    a local name there: the CUDA branch read it unbound, the probe's ``except`` took that for "no
+    Triton", and every compiled step on a GPU ran eagerly (H200, torch 2.11). CI has no GPU to see
+    such a thing: inside functions, import a submodule by name (``importlib.import_module``) or
+    with ``from a import b``."""
+    import pathlib
+
+    package = pathlib.Path(compat.__file__).parent
+    found = [(path.name, *hit) for path in sorted(package.rglob("*.py"))
+             for hit in _submodule_imports_in_functions(path.read_text())]
+    assert found == [], f"plain submodule imports inside functions (function, line, module): {found}"
+    broken = (  # the compiler check as it was, in short
+        "import torch\n"
+        "def compiler_available(device_type):\n"
+        "    if device_type == 'cpu':\n"
+        "        import torch._inductor.compile_fx\n"
+        "    return torch.compile\n"
+    )
+    assert _submodule_imports_in_functions(broken) == [("compiler_available", 4, "torch._inductor.compile_fx")]
