@@ -383,9 +383,7 @@ def _switch_away_from_async(rank, world):
 def test_switching_away_from_async_joins_its_groups_threads():
     """async's own process group is destroyed when it detaches: its gloo threads end then, not at
     the process's exit (this package's record of the group kept it, and them, alive)."""
-    for result in run_ranks(_switch_away_from_async, 2, timeout=120, pg_timeout=30):
-        assert result.ok, result.describe()
-        threads = result.value
+    for threads in values(run_ranks(_switch_away_from_async, 2, timeout=120, pg_timeout=30)):  # (every rank's failure)
         if not threads["world"]:
             pytest.skip("this torch does not name gloo's threads")
         assert len(threads["async"]) > len(threads["world"]), threads  # its own group had threads
