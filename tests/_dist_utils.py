@@ -10,8 +10,10 @@ teardown), and :attr:`RankResult.exit_seconds` says how long that took.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing.connection
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -55,6 +57,8 @@ class RankResult:
     hung: bool = False
     #: seconds from the worker's return to the end of its process (``exit_normally=True`` only)
     exit_seconds: Optional[float] = None
+    #: every thread's Python stack when a hung worker was stopped (faulthandler), to see where it hung
+    stacks: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -62,7 +66,8 @@ class RankResult:
 
     def describe(self) -> str:
         if self.hung:
-            return f"rank {self.rank}: still running at the deadline (killed)"
+            where = f"; its threads' Python stacks then:\n{self.stacks}" if self.stacks else ""
+            return f"rank {self.rank}: still running at the deadline (killed){where}"
         if self.error_type:
             return f"rank {self.rank}: {self.error_type}: {self.error}\n{self.traceback}"
         return f"rank {self.rank}: exit code {self.exitcode}, no result"
@@ -73,6 +78,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size))))
     torch.set_num_threads(1)
+    # a worker still running at the deadline is asked for its threads' stacks first (see run_ranks)
+    stacks = open(os.path.join(result_dir, f"stacks{rank}.txt"), "w")  # (open until the process ends)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     result: Dict[str, Any] = {}
     try:
         torch.distributed.init_process_group(
@@ -124,6 +132,11 @@ def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), *, timeout: f
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))  # an ended one is reaped at once
         hung = [proc.is_alive() for proc in procs]
+        if any(hung):  # where each hung one is, before it is killed
+            for proc in procs:
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
@@ -132,6 +145,10 @@ def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), *, timeout: f
         for rank, proc in enumerate(procs):
             path = os.path.join(result_dir, f"rank{rank}.pt")
             result = RankResult(rank, exitcode=proc.exitcode, hung=hung[rank])
+            stacks = os.path.join(result_dir, f"stacks{rank}.txt")
+            if hung[rank] and os.path.exists(stacks):
+                with open(stacks) as handle:
+                    result.stacks = handle.read()[-6000:] or None
             if os.path.exists(path):
                 saved = torch.load(path, weights_only=False)
                 result.value = saved.get("value")
