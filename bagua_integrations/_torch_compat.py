@@ -560,7 +560,7 @@ def start_cpu_vector_isa_checks() -> Callable[[], bool]:
         from torch._inductor import cpu_vec_isa
         from torch._inductor import config as inductor_config
 
-        if inductor_config.cpp.vec_isa_ok is not None or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+        if inductor_config.cpp.vec_isa_ok is not None or inductor_checked_cpu_vector_isas():
             return _nothing_to_wait_for  # decided by the user's setting, or already checked in this process
         reported = cpu_vec_isa.x86_isa_checker()
         candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
