@@ -168,6 +168,58 @@ def test_rounds_in_flight_are_settled_when_every_rank_acts_together(event):
         torch.testing.assert_close(mean, _expected(2, 15), rtol=1e-5, atol=1e-5)
 
 
+def _reattach_many(rank, world, times):
+    """Re-attach ``times`` times with rounds running; for each averaging group that died: how
+    many tensors were averaged over it, and how many of them were already freed when it died."""
+    import weakref
+
+    from bagua_integrations import bagua_init
+    from bagua_integrations.distributed import comm
+
+    sent, freed_at_death = {}, []
+    average = comm.average
+
+    def recording_average(flat, group=None, timeout=None):
+        if group is not None and group is not torch.distributed.group.WORLD and id(group) not in sent:
+            sent[id(group)] = []
+
+            def died(key=id(group)):  # runs as the group's Python object goes, before its C++ destructor
+                refs = sent.pop(key)
+                freed_at_death.append((len(refs), sum(ref() is None for ref in refs)))
+
+            weakref.finalize(group, died).atexit = False
+        if id(group) in sent:
+            sent[id(group)].append(weakref.ref(flat))
+        return average(flat, group, timeout)
+
+    comm.average = recording_average
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    wrapped, _ = bagua_init(model, optimizer, "async", sync_interval_ms=0, warmup_steps=2, timeout=30)
+    algorithm = wrapped.algorithm
+    for _ in range(times):
+        for step in range(4):
+            optimizer.zero_grad()
+            wrapped(_data(rank, step)).backward()
+            time.sleep(0.001 * (1 + rank))
+            optimizer.step()
+        algorithm.reattach(list(model.parameters()), optimizer, algorithm.group)
+    algorithm.abort(wrapped)
+    return freed_at_death
+
+
+def test_re_attaching_with_rounds_running_never_deadlocks_in_the_groups_destroy():
+    """Destroying the averaging group joins gloo's threads while holding the GIL; a gloo thread
+    that then frees a finished round's tensor (its last reference) needs the GIL: a deadlock.
+    Seen on torch 2.5.1 (gdb) within ~100 re-attaches, when the round's buffers were new each
+    round and dropped before the destroy. So every tensor averaged over the group must still be
+    alive when the group dies (checked on every torch), and 120 re-attaches must finish."""
+    for groups in values(run_ranks(_reattach_many, 2, (120,), timeout=150)):
+        assert len(groups) == 120  # one averaging group per attach, each destroyed by the next
+        assert sum(averaged for averaged, _ in groups) >= 120  # rounds ran: tensors went over them
+        assert [freed for _, freed in groups if freed] == []
+
+
 def test_async_refuses_settings_of_the_wrong_type_by_name():
     from bagua_integrations.distributed import AlgorithmConfigError, AsyncModelAverage
 

@@ -130,6 +130,7 @@ class AsyncModelAverage(ModelAlgorithm):
         self.aborted = False
         self.rounds_started = self.rounds_applied = 0
         self._in_flight = None  # (snapshot, buffer) of the round the worker is averaging
+        self._round_memory = None  # (snapshots, buffers) every round reuses: see _destroy_group
         self._last_start = 0.0
         self._exit_hook = None
         self._failed: Optional[CommunicationError] = None  # a round failed: averaging is over
@@ -174,16 +175,25 @@ class AsyncModelAverage(ModelAlgorithm):
             super().detach()
 
     def _destroy_group(self) -> None:
-        """Our own group goes with us: its gloo threads must not outlive Python (see comm's exit note)."""
+        """Our own group goes with us: its gloo threads must not outlive Python (see comm's exit note).
+
+        The rounds' buffers are dropped only after the group: a gloo thread lets go of a finished
+        collective's tensors just *after* the waiting thread has woken, and if it held a tensor's
+        last reference, freeing it needs the GIL, which this thread holds while the group's
+        destructor joins that gloo thread: a deadlock (torch 2.5.1, seen in gdb, within ~100
+        re-attaches with rounds running). With the buffers still referenced here, gloo's release
+        frees nothing."""
         group, self.averaging_group = self.averaging_group, None
-        if group is None:
-            return
-        comm.release_group(group)  # else our record of it outlives the destroy, and so do its threads
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 - already destroyed with the default group
-                pass
+        memory, self._round_memory = self._round_memory, None
+        if group is not None:
+            comm.release_group(group)  # else our record of it outlives the destroy, and so do its threads
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except Exception:  # noqa: BLE001 - already destroyed with the default group
+                    pass
+            del group  # the last reference: joins the group's gloo threads, `memory` still alive
+        del memory
 
     def _stop_worker(self) -> None:
         if self.worker is not None:
@@ -252,8 +262,14 @@ class AsyncModelAverage(ModelAlgorithm):
 
             self._exit_hook = abort_at_exit
             atexit.register(abort_at_exit)
-        snapshot = [flat.detach().clone() for flat in self.pack.gather()]
-        buffers = [flat.clone() for flat in snapshot]
+        flats = self.pack.gather()
+        if self._round_memory is None:  # the same two buffers for every round (see _destroy_group)
+            self._round_memory = ([torch.empty_like(flat) for flat in flats], [torch.empty_like(flat) for flat in flats])
+        snapshot, buffers = self._round_memory
+        with torch.no_grad():
+            for flat, old, sent in zip(flats, snapshot, buffers):
+                old.copy_(flat)
+                sent.copy_(flat)
         self.rounds_started += 1
         self._in_flight = (snapshot, buffers)
         self._last_start = time.monotonic()
