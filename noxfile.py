@@ -52,6 +52,7 @@ CORE_TESTS = [
     "tests/test_join.py",
     "tests/test_codec.py",
     "tests/test_async_model_average.py",
+    "tests/test_ddp_comm_hook.py",
 ]
 
 nox.options.default_venv_backend = "venv"

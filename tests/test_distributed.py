@@ -331,9 +331,18 @@ def sc_bytegrad_ddp_hook(rank, world):
     exact = local.clone()
     dist.all_reduce(exact)
     exact /= world
-    loss_fn(ddp, xs, ys).backward()
+    from bagua_integrations.distributed import comm
+
+    loss_fn(ddp, xs, ys).backward()  # DDP's first backward has one bucket; it cuts them by bucket_cap_mb after it
+    model.zero_grad(set_to_none=False)
+    kinds, record = [], comm.collective_log.record
+    comm.collective_log.record = lambda kind, tensor: (kinds.append(kind), record(kind, tensor))
+    try:
+        loss_fn(ddp, xs, ys).backward()
+    finally:
+        comm.collective_log.record = record
     got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    return {"error": (got - exact).abs().max().item(), "bound": _quantization_bound(local, exact)}
+    return {"error": (got - exact).abs().max().item(), "bound": _quantization_bound(local, exact), "kinds": kinds}
 
 
 SCENARIOS = {
@@ -423,8 +432,14 @@ def test_bytegrad_training_steps_within_quantization_error(outcomes):
 
 
 def test_bytegrad_ddp_hook_within_quantization_error(outcomes):
-    for result in _all(outcomes, "bytegrad_ddp_hook"):
+    results = _all(outcomes, "bytegrad_ddp_hook")
+    for result in results:
         assert 0 < result["error"] <= result["bound"], result
+        # as in the reducer: bucket k's all-to-all, then bucket k-1's all-gather, while backward runs
+        kinds = [kind for kind in result["kinds"] if kind in ("all_to_all", "all_gather")]
+        assert len(kinds) >= 4, kinds  # DDP's buckets after its first backward: at least two
+        assert kinds == ["all_to_all"] + ["all_to_all", "all_gather"] * (len(kinds) // 2 - 1) + ["all_gather"], kinds
+    assert all(result["kinds"] == results[0]["kinds"] for result in results)
 
 
 def test_bytegrad_runs_each_buckets_second_stage_during_backward(outcomes):

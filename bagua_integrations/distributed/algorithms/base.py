@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..._flat import Packs, pack_tensors
+from ..._torch_compat import queue_end_of_backward
 from .. import comm
 from ..errors import AlgorithmConfigError
 
@@ -158,6 +159,8 @@ class GradientAlgorithm(Algorithm):
         if message_size <= 0:
             raise AlgorithmConfigError(f"message_size must be a positive number of bytes, got {message_size!r}")
         self.message_size = int(message_size)
+        self._ddp_buckets: list = []  # (pending, future, flat) of this backward's multi-stage DDP buckets
+        self._ddp_last_index = -1  # the index of the last DDP bucket call
 
     def average(self, flat: torch.Tensor, group) -> comm.Stages:
         """Average the 1-D ``flat`` in place over ``group`` (more than one rank), as staged collectives."""
@@ -253,17 +256,19 @@ class GradientAlgorithm(Algorithm):
         ``state`` is the process group to use (None: the default one, or an object with a
         ``process_group`` attribute); ``bucket`` is DDP's ``dist.GradBucket``. Returns a
         ``torch.futures.Future`` of the averaged bucket tensor. Single-collective flat
-        reductions stay asynchronous (overlapping backward); multi-stage ones (bytegrad,
-        hierarchical) run to completion inside the hook, because chaining collectives from
-        future callbacks would issue them in a different order on different ranks.
+        reductions stay asynchronous (overlapping backward). Multi-stage ones (bytegrad, qadam,
+        hierarchical) go as in the reducer: each call launches its bucket's first collective, then
+        takes the previous bucket's next stage, and the last bucket's call (``bucket.is_last()``)
+        finishes them all, in bucket order. DDP calls the hook in bucket order on every rank and
+        waits for the futures only after the last call, so collectives keep one order everywhere
+        (chaining them from future callbacks would not) and still overlap backward.
         """
         group = state if state is None or isinstance(state, dist.ProcessGroup) else getattr(state, "process_group", None)
         flat = bucket.buffer()
         stages = self.bucket_stages(flat, list(zip(bucket.parameters(), bucket.gradients())), group)
         what = f"{self.name} DDP bucket {bucket.index()}"
         if not (self.single_collective and self.nodes(group) is None):
-            comm.run(stages, what, self.timeout)
-            return _completed(flat)
+            return self._staged_ddp_bucket(stages, flat, what, bucket.index(), bucket.is_last())
         work = next(stages, None)
         if work is None:
             return _completed(flat)
@@ -275,6 +280,63 @@ class GradientAlgorithm(Algorithm):
             return flat
 
         return work.get_future().then(finish)
+
+    def _staged_ddp_bucket(self, stages, flat: torch.Tensor, what: str, index: int, last: bool) -> torch.futures.Future:
+        """One multi-stage DDP bucket (see :meth:`ddp_comm_hook`): its future, completed by the
+        last bucket's call, or earlier where DDP's calls leave the usual order.
+
+        Usually DDP calls buckets 0, 1, ..., n-1, the last with ``is_last()``. Three other
+        orders exist, and none may leave a future that nothing completes (DDP would wait on it
+        forever):
+
+        * ``static_graph=True``, first backward: DDP calls every bucket *as index 0* (so none is
+          last) and waits right after the calls. A repeated index finishes what is queued and
+          runs its own bucket to completion in the call.
+        * ``skip_all_reduce_unused_params=True``: a bucket of unused parameters gets no call, so
+          the last call may never come. The first call of a backward also queues the finishing
+          of all buckets at the end of backward (autograd's final callbacks, which run before
+          DDP's own, queued once every bucket is ready).
+        * A backward that raised before its last bucket: the next backward starts again at 0.
+          Its queued futures (nobody waits on them) end with an error.
+        """
+        queue = self._ddp_buckets
+        previous, self._ddp_last_index = self._ddp_last_index, index
+        repeated = bool(queue) and index == previous
+        if queue and index == 0 and not repeated:
+            _fail(queue, AlgorithmConfigError(f"{self.name}: a DDP backward ended before its last bucket was reduced"))
+        elif queue and index != previous + 1:
+            self._finish_ddp_buckets()
+        try:
+            pending = comm.Pending(stages, what, self.timeout)
+            if repeated:
+                pending.wait()
+                return _completed(flat)
+            if not queue:
+                try:
+                    queue_end_of_backward(self._finish_ddp_buckets)
+                except RuntimeError:  # not inside backward (Join's shadow calls): is_last() ends them
+                    pass
+            queue.append((pending, torch.futures.Future(), flat))
+            if len(queue) > 1 and self.stages_overlap:
+                queue[-2][0].advance()
+            if last:
+                self._finish_ddp_buckets()
+        except BaseException as error:
+            _fail(queue, error)
+            raise
+        return queue[-1][1] if queue else _completed(flat)
+
+    def _finish_ddp_buckets(self) -> None:
+        """Run every queued DDP bucket to completion, in bucket order, and complete its future."""
+        queue = self._ddp_buckets
+        try:
+            for pending, future, done in queue:
+                pending.wait()
+                future.set_result(done)
+        except BaseException as error:
+            _fail(queue, error)
+            raise
+        queue.clear()
 
 
 def _members_of(pack, flat: torch.Tensor, owners: Dict[int, torch.Tensor]) -> Optional[Members]:
@@ -290,6 +352,14 @@ def _members_of(pack, flat: torch.Tensor, owners: Dict[int, torch.Tensor]) -> Op
         members.append((param, flat[start : start + grad.numel()].view(grad.shape)))
         offset += grad.numel()
     return members
+
+
+def _fail(queue, error: BaseException) -> None:
+    """End every unfinished future of ``queue`` with ``error``, and empty it."""
+    for _, future, _ in queue:
+        if not future.done():
+            future.set_exception(error)
+    queue.clear()
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:
