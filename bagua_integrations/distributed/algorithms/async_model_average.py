@@ -181,8 +181,8 @@ class AsyncModelAverage(ModelAlgorithm):
         collective's tensors just *after* the waiting thread has woken, and if it held a tensor's
         last reference, freeing it needs the GIL, which this thread holds while the group's
         destructor joins that gloo thread: a deadlock (torch 2.5.1, seen in gdb, within ~100
-        re-attaches with rounds running). With the buffers still referenced here, gloo's release
-        frees nothing."""
+        re-attaches with rounds running; torch >= 2.8 releases the GIL in that destructor). With
+        the buffers still referenced here, gloo's release frees nothing."""
         group, self.averaging_group = self.averaging_group, None
         memory, self._round_memory = self._round_memory, None
         if group is not None:
