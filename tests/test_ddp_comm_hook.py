@@ -7,7 +7,8 @@ calls the hook is run here on 2 gloo ranks, each within a deadline:
 
 * the usual one: buckets 0..n-1, the last with ``is_last()``;
 * ``static_graph=True``: in the first backward DDP calls every bucket as index 0, none last
-  (two buckets when the parameters have two dtypes);
+  (one bucket per dtype: two and three here; with three, the third call follows one that
+  already ran to completion, so nothing is queued when it repeats the index);
 * ``skip_all_reduce_unused_params=True`` (newer torch): the bucket of unused parameters gets no
   call; when it is the last bucket, the last call never comes.
 
@@ -49,6 +50,17 @@ class TwoDtypes(Usual):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)).double())).float()).pow(2).mean()
 
 
+class ThreeDtypes(TwoDtypes):
+    """float32, float64 and bfloat16 parameters: three buckets, all called as index 0 first."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = torch.nn.Linear(DIM, DIM).bfloat16()
+
+    def forward(self, x):
+        return self.d(super().forward(x).reshape(1, 1).expand(1, DIM).bfloat16()).float().pow(2).mean()
+
+
 class UnusedFirst(Usual):
     """A module that never gets a gradient, registered first: its parameters fill DDP's last bucket."""
 
@@ -62,6 +74,7 @@ class UnusedFirst(Usual):
 CASES = {
     "usual": (Usual, {}),
     "static_graph": (TwoDtypes, {"static_graph": True}),
+    "static_graph_three_buckets": (ThreeDtypes, {"static_graph": True}),
     "skip_unused_last_bucket": (UnusedFirst, {"find_unused_parameters": True, "skip_all_reduce_unused_params": True}),
 }
 
@@ -117,8 +130,9 @@ def test_every_order_ddp_calls_the_hook_in_completes_every_bucket(case):
     results = values(run_ranks(_train, 2, (case,), timeout=120))
     calls = results[0]["calls"]
     assert all(result["calls"] == calls for result in results)
-    if case == "static_graph":  # the order this case is about: the first backward's buckets all as index 0
-        assert [(index, last) for step, index, last in calls if step == 0] == [(0, False), (0, False)], calls
+    if case.startswith("static_graph"):  # the order this case is about: the first backward's buckets all as index 0
+        buckets = 3 if case.endswith("three_buckets") else 2  # one per dtype
+        assert [(index, last) for step, index, last in calls if step == 0] == [(0, False)] * buckets, calls
     if case == "skip_unused_last_bucket":  # ... and here: no call is the last one
         assert not any(last for _, _, last in calls), calls
     for result in results:

@@ -160,7 +160,7 @@ class GradientAlgorithm(Algorithm):
             raise AlgorithmConfigError(f"message_size must be a positive number of bytes, got {message_size!r}")
         self.message_size = int(message_size)
         self._ddp_buckets: list = []  # (pending, future, flat) of this backward's multi-stage DDP buckets
-        self._ddp_last_index = -1  # the index of the last DDP bucket call
+        self._ddp_last_index = -1  # the index of the last DDP bucket call (-1: after a last bucket)
 
     def average(self, flat: torch.Tensor, group) -> comm.Stages:
         """Average the 1-D ``flat`` in place over ``group`` (more than one rank), as staged collectives."""
@@ -301,7 +301,7 @@ class GradientAlgorithm(Algorithm):
         """
         queue = self._ddp_buckets
         previous, self._ddp_last_index = self._ddp_last_index, index
-        repeated = bool(queue) and index == previous
+        repeated = index == previous  # queued or not: the repeat before it may have run in its call
         if queue and index == 0 and not repeated:
             _fail(queue, AlgorithmConfigError(f"{self.name}: a DDP backward ended before its last bucket was reduced"))
         elif queue and index != previous + 1:
@@ -321,6 +321,7 @@ class GradientAlgorithm(Algorithm):
                 queue[-2][0].advance()
             if last:
                 self._finish_ddp_buckets()
+                self._ddp_last_index = -1  # the next backward's bucket 0 is no repeat
         except BaseException as error:
             _fail(queue, error)
             raise
