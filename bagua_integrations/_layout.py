@@ -290,6 +290,18 @@ class FlatLayout:
                         )
                     layout.per_tensor.extend(rankless)
                     members = ranked
+                if members and members[0].is_complex():
+                    # the probes step real (fp32) tensors; an optimizer may take another code path for
+                    # complex ones (pytorch-optimizer's Lamb: its per-parameter loop, whose Python
+                    # scalars a segmented run cannot give), so these keep their own exact step
+                    for p in members:
+                        position = next(i for i, q in enumerate(group["params"]) if q is p)
+                        self.reasons[self._param_name(group, index, position, p)] = (
+                            "its step reduces per parameter, which was checked on real tensors, and it is complex: "
+                            "stepped on its own"
+                        )
+                    layout.per_tensor.extend(members)
+                    members = []
                 if not members:
                     continue
                 layout.segmented = True

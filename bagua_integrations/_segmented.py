@@ -1003,10 +1003,15 @@ class SegmentedMode(TorchFunctionMode):
                 raise NotSegmentable("stack of a list over runs that holds other values than one per parameter")
             segs.append(seg)
         width = max(seg.segments for seg in segs)
-        shape = (len(segs), width) + _SCALAR_TRAILING  # rank MAX_RANK + 2: no run, no segment scalar
-        known = self.by_stack_shape.get(shape)
-        if known is not None and [id(s) for s in known.segs] != [id(s) for s in segs]:
-            raise NotSegmentable("two different lists over runs of one shape")
+        while True:
+            shape = (len(segs), width) + _SCALAR_TRAILING  # rank MAX_RANK + 2: no run, no segment scalar
+            known = self.by_stack_shape.get(shape)
+            if known is None or [id(s) for s in known.segs] == [id(s) for s in segs]:
+                break
+            # A list over other runs has this shape (two param groups, or two dtypes of one group, of
+            # as many parameters each, stacked in one step): a stack is known by its shape, so this
+            # one takes one more padding entry per row.
+            width += 1
         stacked = known or _Stacked(segs, shape)
         self.by_stack_shape[shape] = stacked
         rows = [torch.cat([v.reshape(-1), v.new_ones(width - seg.segments)]) for v, seg in zip(values, segs)]

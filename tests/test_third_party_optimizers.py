@@ -193,6 +193,72 @@ class RankedNet(torch.nn.Module):
         return self.out(torch.tanh(self.fc(torch.tanh(self.conv(x)).flatten(1))))
 
 
+
+class _TwoLayers(torch.nn.Module):
+    """Two linear layers of two parameters each: two param groups (or two dtypes) of as many
+    parameters, whose per-parameter values stack into lists of one shape."""
+
+    def __init__(self, second_dtype=torch.float32, complex_scale=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3).to(second_dtype)
+        self.scale = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64)) if complex_scale else None
+
+    def forward(self, x):
+        out = self.b(self.a(x).to(self.b.weight.dtype)).float()
+        return out if self.scale is None else out * (self.scale * self.scale.conj()).real
+
+
+# pytorch-optimizer's optimizers that stack per-parameter values of each group (each dtype) in one step
+_STACKING = ["a2grad", "adai", "adams", "adanorm", "avagrad", "fromage", "lamb", "lars"]
+
+
+@pytest.mark.parametrize("name,case", [(name, case) for name in _STACKING
+                                       for case in ("two-groups", "two-dtypes", "a-group-added-later")]
+                         + [("lamb", "a-complex-parameter")])  # (the others refuse complex parameters)
+def test_pytorch_optimizer_on_groups_dtypes_and_complex_parameters(name, case):
+    """Each as BERT recipes build it: two groups of as many parameters (decay and no decay), a float64
+    layer in one group, a group added after fusing, a complex parameter. Their steps stack each
+    group's (each dtype's) per-parameter values: two such lists had one shape, and the second step
+    raised FusionError ("two different lists over runs of one shape") with the first group already
+    updated. A complex parameter can take another code path (Lamb's per-parameter loop, whose Python
+    scalar ``alpha`` a segmented run cannot give: a bare TypeError mid-step): it is stepped on its own."""
+    pytest.importorskip("pytorch_optimizer")
+    from _optimizer_sweep import optimizer_classes
+
+    ((_, cls),) = optimizer_classes([name])
+    models, opts = [], []
+    for fused in (False, True):
+        model = _TwoLayers(torch.float64 if case == "two-dtypes" else torch.float32,
+                           complex_scale=case == "a-complex-parameter")
+        first, second = list(model.a.parameters()), list(model.b.parameters())
+        if case == "two-groups":
+            groups = [{"params": first}, {"params": second}]
+        elif case == "a-group-added-later":
+            groups = first
+        else:
+            groups = first + second + ([model.scale] if model.scale is not None else [])
+        opt = cls(groups, lr=1e-2)
+        if fused:
+            fuse_optimizer(opt, compile=False)
+        models.append(model)
+        opts.append(opt)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        x = torch.randn(3, 4, generator=gen)
+        for model, opt in zip(models, opts):
+            if case == "a-group-added-later" and step == 2:
+                opt.add_param_group({"params": list(model.b.parameters()), "lr": 2e-2})
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            (opt.fuse_step if opt is opts[1] else opt.step)()
+    report = fusion_report(opts[1])
+    assert set(report.group_paths) == {"segmented"}, report
+    assert report.fused_params == 4, report  # every real parameter went through the buffers
+    for (param_name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        real = (lambda t: torch.view_as_real(t.detach())) if a.is_complex() else (lambda t: t.detach())
+        torch.testing.assert_close(real(a), real(b), rtol=1e-5, atol=1e-7, msg=lambda m: f"{param_name}: {m}")
+
 def _ranked_batches(steps):
     gen = torch.Generator().manual_seed(3)
     return [(torch.randn(5, 2, 4, generator=gen) * 4, torch.randn(5, 2, generator=gen)) for _ in range(steps)]
