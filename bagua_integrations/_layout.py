@@ -156,6 +156,20 @@ class GroupLayout:
             yield from buffer.slots
 
 
+def _stepped_alone_in_runs(p: torch.Tensor) -> Optional[str]:
+    """Why ``p``, in a group whose step reduces per parameter, is stepped on its own rather than in a
+    segmented run (None: it joins the runs)."""
+    if not 1 <= p.dim() <= MAX_RANK:
+        return f"its step reduces per parameter and a {p.dim()}-D parameter is stepped on its own"
+    if p.is_complex():
+        # the probes step real (fp32) tensors; an optimizer may take another code path for complex
+        # ones (pytorch-optimizer's Lamb: its per-parameter loop, whose Python scalars a segmented
+        # run cannot give), so these keep their own exact step
+        return ("its step reduces per parameter, which was checked on real tensors, and it is complex: "
+                "stepped on its own")
+    return None
+
+
 class FlatLayout:
     """The flat buffers of every param group of one optimizer, and their gradient hooks."""
 
@@ -280,28 +294,13 @@ class FlatLayout:
             layout.mixing |= Counter(dict(path.mixing))
             reason, segmented = path.refusal, path.path == SEGMENTED
             if segmented:
-                ranked = [p for p in members if 1 <= p.dim() <= MAX_RANK]
-                if len(ranked) < len(members):
-                    rankless = [p for p in members if not 1 <= p.dim() <= MAX_RANK]
-                    for p in rankless:  # (by identity: list.index compares tensors with ==)
+                alone = {id(p): why for p in members if (why := _stepped_alone_in_runs(p)) is not None}
+                for p in members:
+                    if id(p) in alone:  # (by identity: list.index compares tensors with ==)
                         position = next(i for i, q in enumerate(group["params"]) if q is p)
-                        self.reasons[self._param_name(group, index, position, p)] = (
-                            f"its step reduces per parameter and a {p.dim()}-D parameter is stepped on its own"
-                        )
-                    layout.per_tensor.extend(rankless)
-                    members = ranked
-                if members and members[0].is_complex():
-                    # the probes step real (fp32) tensors; an optimizer may take another code path for
-                    # complex ones (pytorch-optimizer's Lamb: its per-parameter loop, whose Python
-                    # scalars a segmented run cannot give), so these keep their own exact step
-                    for p in members:
-                        position = next(i for i, q in enumerate(group["params"]) if q is p)
-                        self.reasons[self._param_name(group, index, position, p)] = (
-                            "its step reduces per parameter, which was checked on real tensors, and it is complex: "
-                            "stepped on its own"
-                        )
-                    layout.per_tensor.extend(members)
-                    members = []
+                        self.reasons[self._param_name(group, index, position, p)] = alone[id(p)]
+                        layout.per_tensor.append(p)
+                members = [p for p in members if id(p) not in alone]
                 if not members:
                     continue
                 layout.segmented = True

@@ -193,7 +193,6 @@ class RankedNet(torch.nn.Module):
         return self.out(torch.tanh(self.fc(torch.tanh(self.conv(x)).flatten(1))))
 
 
-
 class _TwoLayers(torch.nn.Module):
     """Two linear layers of two parameters each: two param groups (or two dtypes) of as many
     parameters, whose per-parameter values stack into lists of one shape."""
@@ -207,6 +206,30 @@ class _TwoLayers(torch.nn.Module):
     def forward(self, x):
         out = self.b(self.a(x).to(self.b.weight.dtype)).float()
         return out if self.scale is None else out * (self.scale * self.scale.conj()).real
+
+
+def _two_layer_run(cls, case, fused, steps=6, **kwargs):
+    """``cls`` on :class:`_TwoLayers` arranged as ``case`` says, trained ``steps`` steps; (model, optimizer)."""
+    model = _TwoLayers(torch.float64 if case == "two-dtypes" else torch.float32,
+                       complex_scale=case == "a-complex-parameter")
+    first, second = list(model.a.parameters()), list(model.b.parameters())
+    if case == "two-groups":
+        groups = [{"params": first}, {"params": second}]
+    elif case == "a-group-added-later":
+        groups = first
+    else:
+        groups = first + second + ([model.scale] if model.scale is not None else [])
+    opt = cls(groups, **kwargs)
+    if fused:
+        fuse_optimizer(opt, compile=False)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        if case == "a-group-added-later" and step == 2:
+            opt.add_param_group({"params": second, "lr": 2e-2})
+        opt.zero_grad()
+        model(torch.randn(3, 4, generator=gen)).square().sum().backward()
+        (opt.fuse_step if fused else opt.step)()
+    return model, opt
 
 
 # pytorch-optimizer's optimizers that stack per-parameter values of each group (each dtype) in one step
@@ -227,35 +250,12 @@ def test_pytorch_optimizer_on_groups_dtypes_and_complex_parameters(name, case):
     from _optimizer_sweep import optimizer_classes
 
     ((_, cls),) = optimizer_classes([name])
-    models, opts = [], []
-    for fused in (False, True):
-        model = _TwoLayers(torch.float64 if case == "two-dtypes" else torch.float32,
-                           complex_scale=case == "a-complex-parameter")
-        first, second = list(model.a.parameters()), list(model.b.parameters())
-        if case == "two-groups":
-            groups = [{"params": first}, {"params": second}]
-        elif case == "a-group-added-later":
-            groups = first
-        else:
-            groups = first + second + ([model.scale] if model.scale is not None else [])
-        opt = cls(groups, lr=1e-2)
-        if fused:
-            fuse_optimizer(opt, compile=False)
-        models.append(model)
-        opts.append(opt)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(6):
-        x = torch.randn(3, 4, generator=gen)
-        for model, opt in zip(models, opts):
-            if case == "a-group-added-later" and step == 2:
-                opt.add_param_group({"params": list(model.b.parameters()), "lr": 2e-2})
-            opt.zero_grad()
-            model(x).square().sum().backward()
-            (opt.fuse_step if opt is opts[1] else opt.step)()
-    report = fusion_report(opts[1])
+    plain, _ = _two_layer_run(cls, case, fused=False, lr=1e-2)
+    fused, opt = _two_layer_run(cls, case, fused=True, lr=1e-2)
+    report = fusion_report(opt)
     assert set(report.group_paths) == {"segmented"}, report
     assert report.fused_params == 4, report  # every real parameter went through the buffers
-    for (param_name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+    for (param_name, a), b in zip(plain.named_parameters(), fused.parameters()):
         real = (lambda t: torch.view_as_real(t.detach())) if a.is_complex() else (lambda t: t.detach())
         torch.testing.assert_close(real(a), real(b), rtol=1e-5, atol=1e-7, msg=lambda m: f"{param_name}: {m}")
 
@@ -270,32 +270,19 @@ def test_every_pytorch_optimizer_on_two_groups_or_two_dtypes_of_as_many_paramete
 
     from _optimizer_sweep import _KWARGS, optimizer_classes
 
-    def run(cls, kwargs, fused):
-        model = _TwoLayers(torch.float64 if case == "two-dtypes" else torch.float32)
-        first, second = list(model.a.parameters()), list(model.b.parameters())
-        opt = cls([{"params": first}, {"params": second}] if case == "two-groups" else first + second, **kwargs)
-        if fused:
-            fuse_optimizer(opt, compile=False)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(6):
-            opt.zero_grad()
-            model(torch.randn(3, 4, generator=gen)).square().sum().backward()
-            (opt.fuse_step if fused else opt.step)()
-        return model
-
     checked, wrong = 0, []
     for name, cls in optimizer_classes():
         kwargs = dict(_KWARGS.get(name, {}))
         if "lr" in inspect.signature(cls).parameters:
             kwargs.setdefault("lr", 1e-2)
         try:
-            plain = run(cls, kwargs, fused=False)
+            plain, _ = _two_layer_run(cls, case, fused=False, **kwargs)
         except Exception:  # needs a closure, a second backward, other param groups...: not this test's
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                fused = run(cls, kwargs, fused=True)
+                fused, _ = _two_layer_run(cls, case, fused=True, **kwargs)
             except Exception as exc:
                 wrong.append(f"{name}: {type(exc).__name__}: {exc}")
                 continue
@@ -305,6 +292,7 @@ def test_every_pytorch_optimizer_on_two_groups_or_two_dtypes_of_as_many_paramete
         if worst > 1e-5:
             wrong.append(f"{name}: {worst:.1e} relative")
     assert checked >= 100 and not wrong, (checked, wrong)
+
 
 def _ranked_batches(steps):
     gen = torch.Generator().manual_seed(3)
