@@ -51,6 +51,7 @@ from ._torch_compat import (
     ints_symbolic_from_the_first_graph,
     math_pow_kept_symbolic,
     start_cpu_vector_isa_checks,
+    start_precompiling_cpu_kernel_header,
 )
 from . import _batched_combines, _early_stores
 from ._batched_combines import batch_combines
@@ -150,7 +151,9 @@ def compiler_available(device_type: str = "cpu") -> bool:
 
 def _cpu_vector_isa_checked() -> bool:
     """Whether Inductor's check of the CPU's vector instructions built and loaded its test program."""
-    isa_checks = start_cpu_vector_isa_checks()
+    # Once the instruction set is known, the header every CPU kernel includes is precompiled beside
+    # the rest of the build (7 s of a 2-core machine's first compiled step when kernels wait for it).
+    isa_checks = start_cpu_vector_isa_checks(then=start_precompiling_cpu_kernel_header)
     # The rest of Inductor's imports (about 1 s) while the checks' compilers run. By name: a plain
     # ``import torch._inductor...`` in a function makes ``torch`` one of its local names.
     try:

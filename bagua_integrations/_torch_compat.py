@@ -33,6 +33,7 @@ __all__ = [
     "CHECKED_ON",
     "compiled_steps_unsupported",
     "start_cpu_vector_isa_checks",
+    "start_precompiling_cpu_kernel_header",
     "inductor_checked_cpu_vector_isas",
     "unwrapped_step",
     "forget_float_specializations",
@@ -535,7 +536,7 @@ def inductor_checked_cpu_vector_isas() -> bool:
         return False
 
 
-def start_cpu_vector_isa_checks() -> Callable[[], bool]:
+def start_cpu_vector_isa_checks(then: Optional[Callable[[], None]] = None) -> Callable[[], bool]:
     """Start Inductor's check of the best vector instruction set the CPU reports, in a thread;
     return the function that waits for it and says whether it built and loaded its test program
     (so the C++ compiler Inductor uses works, with torch's headers: False when none was started).
@@ -553,6 +554,9 @@ def start_cpu_vector_isa_checks() -> Callable[[], bool]:
     (``supported_vec_isa_list``, best first; ``x86_isa_checker``; each ISA's cached ``__bool__``,
     which calls ``self.check_build``); checked on torch 2.5.1-2.14.1. Anything unexpected: nothing
     is started, and Inductor checks them in turn as before.
+
+    ``then`` runs in the checks' thread once they built and the others are answered (never when
+    they did not): work that needs the instruction set Inductor will pick.
     """
     try:
         from concurrent.futures import ThreadPoolExecutor
@@ -575,17 +579,12 @@ def start_cpu_vector_isa_checks() -> Callable[[], bool]:
         best, others = candidates[0], candidates[1:]
         base_code = cpu_vec_isa.VecISA._avx_code
         further = _further_vector_isa_programs(best, base_code)
-        pool = ThreadPoolExecutor(2, thread_name_prefix="vec-isa-check")
-        future = pool.submit(bool, best)
-        if further:
-            pool.submit(_build_quietly, further)
-        pool.shutdown(wait=False)
     except Exception:
         return _nothing_to_wait_for
 
-    def wait() -> bool:
+    def check() -> bool:
         try:
-            if not future.result():
+            if not best:  # (its cached __bool__ builds and loads its test programs)
                 return False
             bf16 = bool(getattr(best, "_is_avx512_bf16_supported", False))
             for isa in others:
@@ -596,9 +595,76 @@ def start_cpu_vector_isa_checks() -> Callable[[], bool]:
                     del isa.check_build
         except Exception:
             return False  # Inductor checks what is left itself, and meets the error there
+        if then is not None:
+            try:
+                then()
+            except Exception:
+                pass  # its own failure: the checks built all the same
         return True
 
+    try:
+        pool = ThreadPoolExecutor(2, thread_name_prefix="vec-isa-check")
+        future = pool.submit(check)
+        if further:
+            pool.submit(_build_quietly, further)
+        pool.shutdown(wait=False)
+    except Exception:
+        return _nothing_to_wait_for
+
+    def wait() -> bool:
+        try:
+            return bool(future.result())
+        except Exception:
+            return False
+
     return wait
+
+
+def start_precompiling_cpu_kernel_header() -> None:
+    """Start building, in a daemon thread, the precompiled header every Inductor CPU kernel includes.
+
+    Why: before its first CPU kernel on a machine, Inductor precompiles ``cpp_prefix.h`` (torch's
+    vectorized-math headers, a 150 MB ``.gch``) and every kernel of that first graph waits for it:
+    7 of a fused BertAdam's 13 s first compiled step on 2 cores. Started as soon as the vector
+    instruction set is known (the header's flags depend on it), the build runs beside the rest of
+    ``fuse_optimizer``, the first (eager) step and the tracing of the second, and the kernels find
+    it built or nearly so. Inductor's own file lock makes a kernel wait for a build in progress,
+    and a header already built (a later run on the machine) is only checked, not rebuilt.
+
+    How: ``CppPythonBindingsCodeCache.load_pybinding_async`` of an empty kernel, without a function
+    to submit its compile to: that precompiles the header with the flags it gives every kernel,
+    and builds nothing else. Private: ``torch._inductor.codecache`` (checked on torch 2.11-2.14; 2.5
+    has no precompiled headers, and a torch whose Inductor does not want one gets nothing). Any
+    error: nothing is started, or the thread stops, and Inductor builds the header when it needs it.
+    """
+    try:
+        import threading
+
+        from torch._inductor import config as inductor_config
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        if not getattr(inductor_config, "cpp_cache_precompile_headers", False):
+            return
+        uncompiled_header = getattr(CppPythonBindingsCodeCache, "_get_uncompiled_header", None)
+        if uncompiled_header is None or not uncompiled_header("cpu"):
+            return
+    except Exception:
+        return
+
+    def build() -> None:
+        try:
+            CppPythonBindingsCodeCache.load_pybinding_async(["long"], _HEADER_WARM_UP_KERNEL)
+        except Exception:
+            pass  # Inductor builds the header itself when its first kernel needs it
+
+    # A daemon: a short script that fuses and exits does not wait for the build at exit.
+    threading.Thread(target=build, name="inductor-header-precompile", daemon=True).start()
+
+
+_HEADER_WARM_UP_KERNEL = """
+#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C" void kernel(long x) {}
+"""
 
 
 def _nothing_to_wait_for() -> bool:

@@ -1,8 +1,9 @@
 """What a fused, compiled optimizer costs before its first fast step: building it and its first steps.
 
 Each line runs in a fresh Python process (imports, Dynamo's and Inductor's process-wide state start
-empty), by default with an empty Inductor cache directory: what a user's first run on a machine
-pays. ``--warm-cache`` keeps one cache directory for all lines (a second run). The table gives
+empty), by default with an empty Inductor cache directory and an empty temporary directory (where
+Inductor keeps the precompiled header its CPU kernels include, whatever its cache directory): what
+a user's first run on a machine pays. ``--warm-cache`` keeps one of each for all lines (a second run). The table gives
 ``fuse_optimizer``'s time ("build", which includes the check that a compiler works), each of the
 first steps, their sum with the build, and how many graphs were compiled.
 
@@ -68,7 +69,7 @@ def main() -> None:
     sources = [os.path.abspath(s) for s in (args.src or [here])]
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     print(f"# build + first steps, bert-base shapes (201 tensors, 109.5 M fp32), compile=True; "
-          f"{'one warm' if args.warm_cache else 'an empty'} Inductor cache; {os.cpu_count()} CPUs")
+          f"{'one warm' if args.warm_cache else 'an empty'} Inductor cache and temporary directory; {os.cpu_count()} CPUs")
     print("| optimizer | checkout | build s | " + " | ".join(f"step {i + 1} s" for i in range(args.steps))
           + " | build + first 3 steps s | graphs |")
     print("|---|---|---:|" + "---:|" * args.steps + "---:|---:|")
@@ -77,7 +78,8 @@ def main() -> None:
             for name in names:
                 for src in sources:
                     with tempfile.TemporaryDirectory() as cold:
-                        env = dict(os.environ, PYTHONPATH=src, TORCHINDUCTOR_CACHE_DIR=warm if args.warm_cache else cold)
+                        kept = warm if args.warm_cache else cold
+                        env = dict(os.environ, PYTHONPATH=src, TORCHINDUCTOR_CACHE_DIR=kept, TMPDIR=kept)
                         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
                                               "--steps", str(args.steps)], env=env, capture_output=True, text=True)
                     if out.returncode != 0:

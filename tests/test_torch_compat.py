@@ -952,6 +952,65 @@ def test_only_the_best_vector_isa_is_compiled_and_inductor_reuses_the_answers(tm
 TESTED.add("inductor_checked_cpu_vector_isas")
 
 
+# ------------------------------------------------------------------------------ start_precompiling_cpu_kernel_header
+_HEADER_PRECOMPILE = r"""
+import glob, json, os, sys, threading
+import torch
+from torch._inductor import codecache
+from torch._inductor import config as inductor_config
+from bagua_integrations import _torch_compat as compat
+
+if not getattr(inductor_config, "cpp_cache_precompile_headers", False):
+    print(json.dumps({"skip": f"Inductor of torch {torch.__version__} precompiles no header"}))
+    sys.exit()
+ran_in = []
+
+def then():
+    ran_in.append(threading.current_thread().name)
+    compat.start_precompiling_cpu_kernel_header()
+
+checked = compat.start_cpu_vector_isa_checks(then=then)()
+if not checked:  # fewer than two ISAs to check here (or not x86): nothing ran `then`
+    compat.start_precompiling_cpu_kernel_header()
+for thread in threading.enumerate():
+    if thread.name == "inductor-header-precompile":
+        thread.join(600)
+
+def headers():
+    return {os.path.basename(path): os.stat(path).st_mtime_ns for path in glob.glob(os.path.join(codecache._HEADER_DIR, "*.gch"))}
+
+before = headers()
+out = torch.compile(lambda x: x * 2 + 1)(torch.ones(8))  # Inductor's first CPU kernel in this process
+print(json.dumps({"checked": checked, "ran_in": ran_in, "before": before, "after": headers(), "ran": out[0].item() == 3}))
+"""
+
+
+def test_precompiled_header_is_the_one_inductors_first_cpu_kernel_uses(tmp_path):
+    """The header built in the background (started once the vector ISA is checked) is the very one
+    Inductor's first CPU kernel wants: built before that kernel, and not built again (nor another
+    one beside it) when it compiles. An empty temporary directory: the first run on a machine."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TMPDIR=str(tmp_path), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", _HEADER_PRECOMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, changed("start_precompiling_cpu_kernel_header", result.stderr[-2000:])
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    if "skip" in seen:
+        pytest.skip(seen["skip"])
+    assert seen["ran"], seen
+    if seen["checked"]:  # `then` ran once, in the checks' thread, after they built
+        assert len(seen["ran_in"]) == 1 and seen["ran_in"][0].startswith("vec-isa-check"), seen
+    assert len(seen["before"]) == 1, changed("start_precompiling_cpu_kernel_header", f"headers built before the kernel: {seen['before']}")
+    assert seen["after"] == seen["before"], changed(
+        "start_precompiling_cpu_kernel_header", f"the kernel built its own header: {seen['before']} then {seen['after']}")
+
+
+TESTED.add("start_precompiling_cpu_kernel_header")
+
+
 def test_inductor_checked_cpu_vector_isas_follows_inductors_own_cache(monkeypatch):
     """The benchmarks' sign that a CUDA step's graph held a CPU kernel: Inductor's cached ISA list."""
     from torch._inductor import cpu_vec_isa
