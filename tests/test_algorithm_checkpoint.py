@@ -171,6 +171,32 @@ def test_bmuf_global_model_follows_weights_loaded_after_init(reference):
     assert got[0]["bmuf"] and got[1]["bmuf"]
 
 
+def _another_algorithms_state(rank, world, folder, order):
+    """Each rank's own weights, then bagua_init under ``decentralized`` with a ``gradient_allreduce``
+    checkpoint's algorithm state: the weights right after (whose replicas then differ or not)."""
+    checkpoint = torch.load(os.path.join(folder, f"gradient_allreduce.rank{rank}.pt"), weights_only=False)
+    model, optimizer, init = _build("decentralized_all", seed=1 + rank)  # the ranks' weights differ
+    if order == "before":
+        wrapped, _ = init(algorithm_state=checkpoint["algorithm"])
+    else:
+        wrapped, _ = init()
+        wrapped.load_algorithm_state_dict(checkpoint["algorithm"])
+    weights = [p.detach().clone() for p in model.parameters()]
+    wrapped.close()
+    return weights
+
+
+@pytest.mark.parametrize("order", ["before", "natural"])
+def test_another_algorithms_state_is_a_fresh_start_with_the_first_ranks_weights(reference, order):
+    """A checkpoint of another algorithm is not restored (one warning, a fresh schedule), so the
+    replicas start from the first rank's weights as at any fresh start, whichever order it is
+    given in. (Given to bagua_init, it once kept each rank's own weights, as a resume of this
+    algorithm does: replicas that differed from the first step.)"""
+    folder, _ = reference
+    got = values(run_ranks(_another_algorithms_state, 2, (folder, order), timeout=120))
+    assert all(torch.equal(a, b) for a, b in zip(got[0], got[1])), f"loaded {order} bagua_init: the replicas differ"
+
+
 def _shared_resume(rank, world, folder, key):
     """Rank 0's checkpoint loaded on every rank (what fairseq and HF Trainer save): a named error everywhere."""
     from bagua_integrations.distributed import CheckpointError

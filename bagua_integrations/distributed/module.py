@@ -142,7 +142,9 @@ class BaguaModule(torch.nn.Module, Joinable):
         self._src = comm.group_ranks(process_group)[0]  # broadcasts come from the group's first rank
         if algorithm.kind == "gradient":
             self.reducer = self._make_reducer()
-        if (algorithm_state is not None or getattr(algorithm, "has_pending_state", False)) and algorithm.replicas_differ:
+        # A checkpoint of another algorithm is not restored (a fresh schedule): a fresh start
+        resumed = algorithm_state is not None and algorithm_state.get("name") == algorithm.name
+        if (resumed or getattr(algorithm, "has_pending_state", False)) and algorithm.replicas_differ:
             # A resume under an algorithm whose replicas legitimately differ: every rank loaded its
             # own weights, and rank 0's must not overwrite them. (At a fresh start they are broadcast.)
             sync_initial_weights = False
