@@ -100,6 +100,15 @@ BLOCK_LOOPS = True
 AUTO_MIN_ELEMENTS = 1 << 20
 
 
+def _number_as_tensor(value, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (a Python number, symbolic in a compiled step) as a 0-dim tensor of ``like``'s dtype
+    and device, made by a multiplication: the one use of a symbolic float that Inductor's tensorify
+    pass keeps symbolic (``torch.scalar_tensor(value)`` is specialized to its first value). Of
+    ``like`` (``new_ones``) and without keyword arguments, so that the scalar prologue still
+    replays a constant base (``pow(0.9, step_t)``) outside the kernel."""
+    return like.new_ones(()).mul(value)
+
+
 class ScalarsAsOperands(TorchFunctionMode):
     """Rewrite scalar-keyword arithmetic into tensor-times-scalar so Dynamo keeps scalars dynamic."""
 
@@ -115,6 +124,18 @@ class ScalarsAsOperands(TorchFunctionMode):
         if func in _LERP and len(args) == 3 and not isinstance(args[2], _T) and not kwargs:
             start, end, weight = args
             return _LERP[func](start, (end - start) * weight)
+        # A symbolic Python float raised to a tensor's power (Adam's ``1 - beta1 ** step_t``): Inductor
+        # compiled the base of ``pow(Scalar, Tensor)`` as the value it had when traced, with no
+        # guard (torch 2.13: under OneCycleLR's changing betas the compiled AdamW kept the first
+        # beta1 in its bias correction). As a 0-dim tensor of the power's dtype (the base is
+        # rounded to it as the kernel did), it is read on every call.
+        if func is _T.__rpow__ and len(args) == 2 and is_python_number(args[1]) and not kwargs:
+            exponent, base = args
+            return torch.pow(_number_as_tensor(base, exponent), exponent)
+        if func is torch.pow and len(args) == 2 and is_python_number(args[0]) and isinstance(args[1], _T) \
+                and not kwargs:
+            base, exponent = args
+            return torch.pow(_number_as_tensor(base, exponent), exponent)
         # ``_foreach_*`` calls too: a Python scalar there (``_foreach_mul_(params, 1 - lr * wd)``,
         # ``alpha=-lr``) is specialized, and was seen specialized with no guard (pytorch-optimizer's
         # Lamb under LambdaLR kept its first graph's rate). A foreach op is a loop over its lists:

@@ -78,7 +78,8 @@ _TENSOR_TRANSCENDENTAL = {operator.pow, torch.pow, torch.sqrt, torch.rsqrt, torc
                           torch.expm1, "pow", "sqrt", "rsqrt", "exp", "log", "log1p", "expm1"}
 _TENSOR_PURE = _TENSOR_TRANSCENDENTAL | {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub, torch.mul,
-    torch.div, torch.neg, torch.reciprocal, torch.rsub, "add", "sub", "mul", "div", "neg", "reciprocal", "rsub"}
+    torch.div, torch.neg, torch.reciprocal, torch.rsub, "add", "sub", "mul", "div", "neg", "reciprocal", "rsub",
+    "new_ones"}  # (``x.new_ones(())``: how a compiled step makes a Python number a 0-dim tensor, _compile.py)
 # in-place updates of a 0-dim tensor (``step_t += 1``): the prologue computes the new value without
 # writing it (the compiled graph still does), and later reads of the tensor see that value
 _TENSOR_IN_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,

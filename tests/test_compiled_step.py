@@ -60,6 +60,24 @@ def test_compiled_matches_eager_fused_and_unfused(name):
     assert report.compile_graphs <= 3
 
 
+@pytest.mark.parametrize("name", ["AdamW", "Adam-amsgrad", "Adamax", "NAdam"])
+def test_compiled_step_follows_betas_that_change_with_the_learning_rate(name):
+    """OneCycleLR (``cycle_momentum=True``, its default) changes beta1 with the learning rate on
+    every step. Compiled, the step once kept the first beta1 it made symbolic in its bias
+    correction ``1 - beta1 ** step``: Inductor compiled the base of ``pow(float, tensor)`` as a
+    constant, with no guard (2e-2 from unfused after 8 AdamW steps, silently)."""
+    cls, kwargs = CASES[name]
+    data = batches(10)
+    models = [TinyNet() for _ in range(2)]
+    plain = cls(two_groups(models[0], lr=3e-3), **kwargs)
+    compiled = fuse_optimizer(cls(two_groups(models[1], lr=3e-3), **kwargs), compile=True)
+    for model, opt in zip(models, (plain, compiled)):
+        _run(model, opt, data, O.lr_scheduler.OneCycleLR(opt, max_lr=[2e-2, 6e-3], total_steps=len(data)))
+    assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
+    report = fusion_report(compiled)
+    assert report.compiled and report.compile_disabled_reason is None
+
+
 def test_one_compiled_step_is_within_fp32_rounding_of_eager():
     """From identical state, one compiled step differs from one eager step by rounding only."""
     data = batches(6)
