@@ -263,6 +263,46 @@ def _float_hyperparameters(optimizer) -> tuple:
     return tuple(found)
 
 
+# Param-group floats a compiled step has been tested to follow when they change between steps (a
+# schedule): the learning rate everywhere; beta1 (OneCycleLR cycles it) and the weight decay in
+# torch's Adam family.
+_FOLLOWED_EVERYWHERE = frozenset({"lr"})
+_ADAM_FAMILY = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW", "torch.optim.adamax.Adamax", "torch.optim.nadam.NAdam")
+_FOLLOWED_BY_CLASS = {"betas": _ADAM_FAMILY, "weight_decay": _ADAM_FAMILY}
+
+
+def _followed_when_changed(optimizer, key: str) -> bool:
+    if key in _FOLLOWED_EVERYWHERE:
+        return True
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}" in _FOLLOWED_BY_CLASS.get(key, ())
+
+
+def _changed_hyperparameter(optimizer, seen: Dict[tuple, float]) -> Optional[str]:
+    """The first param-group float (``lr``, ``betas[0]``...) that changed since the last call and
+    that compiled steps are not known to follow, described; None if none. Records the values.
+
+    Why: once such a float changes, Dynamo makes it a graph input, and Inductor has compiled some
+    uses of it as the value it had when traced (a base of ``pow``, ``1 - beta1`` where its tensorify
+    pass specializes it): pytorch-optimizer's AdaBelief and Adan under OneCycleLR's momentum cycle
+    drifted 1-2e-2 from unfused, LARS 6e-5, silently. The eager fused step is exact."""
+    found = None
+    for group in optimizer.param_groups:
+        for key, value in group.items():
+            values = [(None, value)] if type(value) is float else (
+                list(enumerate(value)) if type(value) in (tuple, list) and len(value) <= 8 else ())
+            for index, item in values:
+                if type(item) is not float:
+                    continue
+                where = (id(group), key, index)
+                before = seen.get(where)
+                seen[where] = item
+                if found is None and before is not None and before != item and not _followed_when_changed(optimizer, key):
+                    name = key if index is None else f"{key}[{index}]"
+                    found = f"its param group's {name!r} changed from {before!r} to {item!r}"
+    return found
+
+
 def _python_scalars(optimizer, kind: type):
     """``((where, index or id(param), key), value)`` for each value of exactly type ``kind`` (a
     bool is not an int) in the param groups (``"param group"``) and in the state entries of their
@@ -375,6 +415,7 @@ class CompiledStep:
         # run length -> param groups: the flat runs whose elements a new graph must not mix (set
         # by the caller before each call; empty for segmented and per-tensor steps)
         self.watched: Dict[int, FrozenSet[int]] = {}
+        self._hyperparameters: Dict[tuple, float] = {}  # see _changed_hyperparameter
         CompiledStep._instances += 1
         private = _private_copy(_step_with_scalars_as_operands, f"fused_step_{CompiledStep._instances}")
         self._compiled = torch.compile(private, backend=self._backend, fullgraph=True, dynamic=dynamic)
@@ -413,6 +454,11 @@ class CompiledStep:
         return self.disabled_reason is None and self._run_compiled(optimizer, raw_step, mode)
 
     def _run_compiled(self, optimizer, raw_step, mode) -> bool:
+        changed = _changed_hyperparameter(optimizer, self._hyperparameters)
+        if changed is not None:
+            self._disable(f"{changed}, and compiled steps are known to follow only a changing learning rate "
+                          "(and torch's Adam family's betas) exactly")
+            return False
         graphs_before = self.graphs
         # Python ints (step counts) are symbols in the first graph: Dynamo would make a graph with
         # each as a constant, then another once it changed (1.5-2.8 s of BertAdam's and LAMB's first
