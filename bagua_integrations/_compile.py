@@ -129,13 +129,10 @@ class ScalarsAsOperands(TorchFunctionMode):
         # guard (torch 2.13: under OneCycleLR's changing betas the compiled AdamW kept the first
         # beta1 in its bias correction). As a 0-dim tensor of the power's dtype (the base is
         # rounded to it as the kernel did), it is read on every call.
-        if func is _T.__rpow__ and len(args) == 2 and is_python_number(args[1]) and not kwargs:
-            exponent, base = args
-            return torch.pow(_number_as_tensor(base, exponent), exponent)
-        if func is torch.pow and len(args) == 2 and is_python_number(args[0]) and isinstance(args[1], _T) \
-                and not kwargs:
-            base, exponent = args
-            return torch.pow(_number_as_tensor(base, exponent), exponent)
+        if (func is _T.__rpow__ or func is torch.pow) and len(args) == 2 and not kwargs:
+            base, exponent = (args[1], args[0]) if func is _T.__rpow__ else args
+            if is_python_number(base) and isinstance(exponent, _T):
+                return torch.pow(_number_as_tensor(base, exponent), exponent)
         # ``_foreach_*`` calls too: a Python scalar there (``_foreach_mul_(params, 1 - lr * wd)``,
         # ``alpha=-lr``) is specialized, and was seen specialized with no guard (pytorch-optimizer's
         # Lamb under LambdaLR kept its first graph's rate). A foreach op is a loop over its lists:
@@ -280,27 +277,23 @@ def _followed_when_changed(optimizer, key: str) -> bool:
 
 def _changed_hyperparameter(optimizer, seen: Dict[tuple, float]) -> Optional[str]:
     """The first param-group float (``lr``, ``betas[0]``...) that changed since the last call and
-    that compiled steps are not known to follow, described; None if none. Records the values.
+    that compiled steps are not known to follow, described; None if none. Records the values (up
+    to that one: the compiled step is off from then on).
 
     Why: once such a float changes, Dynamo makes it a graph input, and Inductor has compiled some
     uses of it as the value it had when traced (a base of ``pow``, ``1 - beta1`` where its tensorify
     pass specializes it): pytorch-optimizer's AdaBelief and Adan under OneCycleLR's momentum cycle
     drifted 1-2e-2 from unfused, LARS 6e-5, silently. The eager fused step is exact."""
-    found = None
-    for group in optimizer.param_groups:
-        for key, value in group.items():
-            values = [(None, value)] if type(value) is float else (
-                list(enumerate(value)) if type(value) in (tuple, list) and len(value) <= 8 else ())
-            for index, item in values:
-                if type(item) is not float:
-                    continue
-                where = (id(group), key, index)
-                before = seen.get(where)
-                seen[where] = item
-                if found is None and before is not None and before != item and not _followed_when_changed(optimizer, key):
-                    name = key if index is None else f"{key}[{index}]"
-                    found = f"its param group's {name!r} changed from {before!r} to {item!r}"
-    return found
+    groups = optimizer.param_groups
+    for i, key, index in _float_hyperparameters(optimizer):
+        group = groups[i]  # keyed by the group itself: per-tensor steps show one group at a time
+        value = group[key] if index is None else group[key][index]
+        where = (id(group), key, index)
+        before, seen[where] = seen.get(where), value
+        if before is not None and before != value and not _followed_when_changed(optimizer, key):
+            name = key if index is None else f"{key}[{index}]"
+            return f"its param group's {name!r} changed from {before!r} to {value!r}"
+    return None
 
 
 def _python_scalars(optimizer, kind: type):
@@ -457,7 +450,7 @@ class CompiledStep:
         changed = _changed_hyperparameter(optimizer, self._hyperparameters)
         if changed is not None:
             self._disable(f"{changed}, and compiled steps are known to follow only a changing learning rate "
-                          "(and torch's Adam family's betas) exactly")
+                          "(and torch's Adam family's betas and weight decay) exactly")
             return False
         graphs_before = self.graphs
         # Python ints (step counts) are symbols in the first graph: Dynamo would make a graph with
