@@ -66,10 +66,23 @@ def step_is_fused(optimizer: Any) -> bool:
     return is_fused_optimizer(inner) and _core_fusion_report(inner).step_replaced
 
 
+# fuse_optimizer's own arguments that these adapters fix: Trainer and Accelerate only call step()
+_FIXED_FUSE_ARGS = ("replace_step", "do_flatten")
+
+
+def _refuse_fixed_fuse_args(kwargs: Dict[str, Any]) -> None:
+    """Refuse them where they arrive, not later as an unknown argument of the optimizer's constructor."""
+    fixed = [name for name in _FIXED_FUSE_ARGS if name in kwargs]
+    if fixed:
+        raise ValueError(
+            f"{', '.join(fixed)} cannot be set: Trainer and Accelerate only call step(), so the step is always "
+            "the fused one (replace_step=True, do_flatten=True); drop the argument"
+        )
+
+
 def fuse_for_frameworks(optimizer: torch.optim.Optimizer, **fuse_kwargs: Any) -> torch.optim.Optimizer:
     """``fuse_optimizer(optimizer, replace_step=True, ...)``: Trainer and Accelerate only call ``step()``."""
-    if "replace_step" in fuse_kwargs:
-        raise ValueError("replace_step cannot be set: Trainer and Accelerate only call step(), so it is always True")
+    _refuse_fixed_fuse_args(fuse_kwargs)
     return fuse_optimizer(optimizer, replace_step=True, **fuse_kwargs)
 
 
@@ -202,6 +215,7 @@ def _resolve_cls_and_kwargs(
             kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
         if _accepts(cls, "eps"):
             kwargs["eps"] = args.adam_epsilon
+    _refuse_fixed_fuse_args(overrides)
     kwargs.update(overrides)
     return cls, kwargs
 
@@ -264,13 +278,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         *,
         on_unsupported: str = "fallback",
         assume_elementwise: bool = False,
+        compile: Any = "auto",
         **kwargs: Any,
     ):
         real = torch.optim.AdamW if optimizer_cls is None else optimizer_cls
         if not (isinstance(real, type) and issubclass(real, torch.optim.Optimizer)) or issubclass(real, FusedOptimizer):
             raise NotAnOptimizerError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {real!r}")
+        _refuse_fixed_fuse_args(kwargs)
         optimizer = real(params, **kwargs)
-        return fuse_for_frameworks(optimizer, on_unsupported=on_unsupported, assume_elementwise=assume_elementwise)
+        return fuse_for_frameworks(
+            optimizer, on_unsupported=on_unsupported, assume_elementwise=assume_elementwise, compile=compile
+        )
 
 
 def fused_optimizer_cls_and_kwargs(
@@ -279,6 +297,7 @@ def fused_optimizer_cls_and_kwargs(
     *,
     on_unsupported: str = "fallback",
     assume_elementwise: bool = False,
+    compile: Any = "auto",
     **optimizer_kwargs: Any,
 ) -> Tuple[type, Dict[str, Any]]:
     """``(FusedOptimizer, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)``.
@@ -290,5 +309,6 @@ def fused_optimizer_cls_and_kwargs(
         args = _default_args()
     _check_args(args, trainer_builds_it=True)
     cls, kwargs = _resolve_cls_and_kwargs(args, None, optimizer_cls, optimizer_kwargs)
-    kwargs.update(optimizer_cls=cls, on_unsupported=on_unsupported, assume_elementwise=assume_elementwise)
+    kwargs.update(optimizer_cls=cls, on_unsupported=on_unsupported, assume_elementwise=assume_elementwise,
+                  compile=compile)
     return FusedOptimizer, kwargs

@@ -197,6 +197,31 @@ def test_bad_input_is_named(tmp_path):
         hf_plugin.create_fused_optimizer(frozen, args)
 
 
+@pytest.mark.parametrize("fixed", ["replace_step", "do_flatten"])
+def test_fuse_arguments_the_adapters_fix_are_refused_where_they_are_passed(tmp_path, fixed):
+    """Not later, as an unknown argument of the optimizer's constructor inside Trainer."""
+    args = training_args(tmp_path)
+    with pytest.raises(ValueError, match=fixed):
+        hf_plugin.fused_optimizer_cls_and_kwargs(args, **{fixed: False})
+    with pytest.raises(ValueError, match=fixed):
+        hf_plugin.create_fused_optimizer(tiny_bert(), args, **{fixed: False})
+    with pytest.raises(ValueError, match=fixed):
+        hf_plugin.FusedOptimizer(tiny_bert().parameters(), **{fixed: False})
+
+
+def test_compile_setting_reaches_the_optimizer_trainer_builds(tmp_path):
+    from transformers import Trainer
+
+    # compile=True: the tiny model is below the size "auto" compiles from; AdamW without fused=True
+    # (Trainer's default optim is adamw_torch_fused, whose flat step is torch's own fused kernel)
+    cls, kwargs = hf_plugin.fused_optimizer_cls_and_kwargs(training_args(tmp_path), torch.optim.AdamW, compile=True)
+    trainer = Trainer(model=tiny_bert(), args=training_args(tmp_path, max_steps=2), train_dataset=make_dataset(8),
+                      optimizer_cls_and_kwargs=(cls, kwargs))
+    trainer.train()
+    report = hf_plugin.fusion_report(trainer.optimizer)
+    assert report.last_step_fused and report.compiled, report
+
+
 def test_optim_that_builds_its_own_params_is_refused(tmp_path, monkeypatch):
     from transformers import Trainer
 
