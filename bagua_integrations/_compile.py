@@ -121,9 +121,11 @@ class ScalarsAsOperands(TorchFunctionMode):
             add, combine = _ADDC[func]
             value = kwargs.pop("value")
             return add(args[0], combine(args[1], args[2]) * value, **kwargs)
-        if func in _LERP and len(args) == 3 and not isinstance(args[2], _T) and not kwargs:
-            start, end, weight = args
-            return _LERP[func](start, (end - start) * weight)
+        if func in _LERP and len(args) + len(kwargs) == 3 and len(args) >= 2 and set(kwargs) <= {"weight"}:
+            start, end = args[:2]
+            weight = args[2] if len(args) == 3 else kwargs["weight"]  # (AdaBelief: weight=1.0 - beta1)
+            if not isinstance(weight, _T):
+                return _LERP[func](start, (end - start) * weight)
         # A symbolic Python float raised to a tensor's power (Adam's ``1 - beta1 ** step_t``): Inductor
         # compiled the base of ``pow(Scalar, Tensor)`` as the value it had when traced, with no
         # guard (torch 2.13: under OneCycleLR's changing betas the compiled AdamW kept the first

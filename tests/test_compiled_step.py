@@ -309,7 +309,8 @@ def test_compiled_step_allocates_no_full_size_temporaries(monkeypatch):
 class ForeachLamb(torch.optim.Optimizer):
     """LAMB written as pytorch-optimizer writes it: ``_foreach_*`` calls over the whole group (split
     per run on segmented runs), per-parameter norms, and the learning rate reaching a foreach call
-    as ``alpha=`` (``how="alpha"``), ``value=`` (``"value"``) or a lerp weight (``"lerp"``)."""
+    as ``alpha=`` (``how="alpha"``), ``value=`` (``"value"``) or a lerp weight (``"lerp"``, and
+    ``"lerp keyword"``: ``Tensor.lerp_(end, weight=...)`` per tensor)."""
 
     def __init__(self, params, lr=1e-3, how="alpha"):
         super().__init__(params, dict(lr=lr))
@@ -328,6 +329,9 @@ class ForeachLamb(torch.optim.Optimizer):
             lr = group["lr"] / (1.0 - math.pow(0.9, group["step"]))  # bias-corrected
             if self.how == "lerp":  # a weight that follows the schedule
                 torch._foreach_lerp_(exp_avgs, grads, 50 * lr)
+            elif self.how == "lerp keyword":  # the same by keyword, one tensor at a time (AdaBelief's beta1)
+                for exp_avg, grad in zip(exp_avgs, grads):
+                    exp_avg.lerp_(grad, weight=50 * lr)
             else:
                 torch._foreach_mul_(exp_avgs, 0.9)
                 torch._foreach_add_(exp_avgs, grads, alpha=0.1)
@@ -340,7 +344,7 @@ class ForeachLamb(torch.optim.Optimizer):
 
 @pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
                     reason=str(_compile.compile_unavailable_reason("segmented")))
-@pytest.mark.parametrize("how", ["alpha", "value", "lerp"])
+@pytest.mark.parametrize("how", ["alpha", "value", "lerp", "lerp keyword"])
 def test_a_scheduled_learning_rate_reaching_foreach_calls_on_segmented_runs_is_followed(how):
     """A learning rate passed to a ``_foreach_*`` call as a scalar argument, on segmented runs
     (which split the call per run), is symbolic in the compiled step: one graph follows the
