@@ -12,6 +12,7 @@ from _dist_models import MLP, gather_flat, flat_params, global_batches, local_ba
 from _dist_utils import run_ranks, run_scenarios, scenario_value
 from bagua_integrations import fuse_optimizer
 from bagua_integrations.distributed import bagua_init, collective_log, get_algorithm
+from bagua_integrations.optim import QAdam
 
 WORLD = 4
 STEPS = 3
@@ -137,6 +138,60 @@ def sc_ddp_hook_hierarchical(rank, world):
     return {"errors": errors}
 
 
+def _ranks_identical(model) -> bool:
+    copies = gather_flat(flat_params(model))
+    return all(torch.equal(c, copies[0]) for c in copies)
+
+
+def sc_multistage_buckets_hierarchical(rank, world):
+    """bytegrad (hierarchical by default) and qadam through the reducer with 3+ buckets: a node
+    leader runs stages the other ranks skip, and advancing each bucket a stage at the next
+    bucket's launch once crossed the node's reduce and broadcast (a hang, or gloo's "Received data
+    size doesn't match"; 2 buckets happened to line up)."""
+    out = {}
+    for name in ("bytegrad", "qadam"):
+        model = MLP()
+        optimizer = (QAdam(model.parameters(), lr=1e-2, warmup_steps=1) if name == "qadam"
+                     else torch.optim.SGD(model.parameters(), lr=0.1))
+        wrapped, optimizer = bagua_init(model, optimizer, name, message_size=256, timeout=30)
+        for x, y in local_batches(STEPS, 3, rank):
+            optimizer.zero_grad()
+            loss_fn(wrapped, x, y).backward()
+            optimizer.step()
+        out[name] = {"buckets": len(wrapped.reducer.buckets), "same": _ranks_identical(model),
+                     "hierarchical": wrapped.algorithm.nodes(None) is not None}
+    return out
+
+
+def sc_ddp_hook_hierarchical_many_buckets(rank, world):
+    """The same through DDP's comm hook (DDP's first bucket holds 1 MB: a 2 MB model for 3+)."""
+    out = {}
+    for name in ("gradient_allreduce", "bytegrad"):
+        torch.manual_seed(0)
+        a = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        torch.manual_seed(0)
+        b = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        ddp_a, ddp_b = DDP(a, bucket_cap_mb=0.3), DDP(b, bucket_cap_mb=0.3)
+        algorithm, buckets = get_algorithm(name, hierarchical=True, timeout=30), set()
+
+        def hook(state, bucket, algorithm=algorithm, buckets=buckets):
+            buckets.add(bucket.index())
+            return algorithm.ddp_comm_hook(state, bucket)
+
+        ddp_a.register_comm_hook(None, hook)
+        opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.01), torch.optim.SGD(b.parameters(), lr=0.01)
+        errors = []
+        for step in range(STEPS):
+            x = torch.randn(4, 256, generator=torch.Generator().manual_seed(rank * 100 + step))
+            for model, opt in ((ddp_a, opt_a), (ddp_b, opt_b)):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+            errors.append(max_param_diff(a, b))
+        out[name] = {"buckets": len(buckets), "errors": errors, "same": _ranks_identical(a)}
+    return out
+
+
 SCENARIOS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("sc_") and callable(fn)}
 
 
@@ -181,3 +236,17 @@ def test_hierarchical_decentralized_averages_every_rank(outcomes):
 def test_hierarchical_ddp_comm_hook_equals_plain_ddp(outcomes):
     for result in scenario_value(outcomes, "ddp_hook_hierarchical"):
         assert max(result["errors"]) <= TOL, result["errors"]
+
+
+def test_multistage_algorithms_through_the_hierarchy_with_three_or_more_buckets(outcomes):
+    for result in scenario_value(outcomes, "multistage_buckets_hierarchical"):
+        for name in ("bytegrad", "qadam"):
+            assert result[name]["hierarchical"] and result[name]["buckets"] >= 3, result
+            assert result[name]["same"], result
+
+
+def test_hierarchical_ddp_comm_hooks_with_three_or_more_buckets(outcomes):
+    for result in scenario_value(outcomes, "ddp_hook_hierarchical_many_buckets"):
+        assert result["gradient_allreduce"]["buckets"] >= 3 and result["bytegrad"]["buckets"] >= 3, result
+        assert max(result["gradient_allreduce"]["errors"]) <= TOL, result  # the same as plain DDP
+        assert result["bytegrad"]["same"], result

@@ -181,7 +181,7 @@ class Reducer:
             self.join_state.contribute(bucket.flat, mean=not self.join_state.divide_by_initial_world_size)
         stages = self.algorithm.bucket_stages(bucket.flat, bucket.members, self.group)
         self._pendings.append(comm.Pending(stages, self._what[index], self.timeout))
-        if len(self._pendings) > 1 and not self.algorithm.single_collective and self.algorithm.stages_overlap:
+        if len(self._pendings) > 1 and not self.algorithm.single_collective and self.algorithm.advances_early(self.group):
             # A multi-stage bucket (bytegrad, qadam: all-to-all, then average and all-gather) takes
             # its next stage now, while backward still runs, instead of after it; at the same
             # point on every rank, so collectives stay in the same order everywhere. This bucket's

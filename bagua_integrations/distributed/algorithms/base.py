@@ -166,6 +166,18 @@ class GradientAlgorithm(Algorithm):
         """Average the 1-D ``flat`` in place over ``group`` (more than one rank), as staged collectives."""
         raise NotImplementedError
 
+    def advances_early(self, group=None) -> bool:
+        """Whether a bucket's next stage may run when the next bucket is launched (during backward).
+
+        Only where every rank runs the same stages: through the node hierarchy a node leader runs
+        the leaders' stages between the node's reduce and broadcast, which the other ranks skip,
+        so advancing one stage at each launch put a non-leader's broadcast of bucket k before the
+        reduce of bucket k + 2 and the leader's after it. With three or more buckets the node's
+        collectives crossed: a hang, or gloo's "Received data size doesn't match" (bytegrad's
+        default, 2 nodes x 2 ranks). There the stages run after backward, in bucket order.
+        """
+        return self.stages_overlap and self.nodes(group) is None
+
     def stages(self, flat: torch.Tensor, group=None, average=None) -> comm.Stages:
         """The whole communication for one bucket: flat, or through the node hierarchy.
 
@@ -268,7 +280,7 @@ class GradientAlgorithm(Algorithm):
         stages = self.bucket_stages(flat, list(zip(bucket.parameters(), bucket.gradients())), group)
         what = f"{self.name} DDP bucket {bucket.index()}"
         if not (self.single_collective and self.nodes(group) is None):
-            return self._staged_ddp_bucket(stages, flat, what, bucket.index(), bucket.is_last())
+            return self._staged_ddp_bucket(stages, flat, what, bucket.index(), bucket.is_last(), group)
         work = next(stages, None)
         if work is None:
             return _completed(flat)
@@ -281,7 +293,8 @@ class GradientAlgorithm(Algorithm):
 
         return work.get_future().then(finish)
 
-    def _staged_ddp_bucket(self, stages, flat: torch.Tensor, what: str, index: int, last: bool) -> torch.futures.Future:
+    def _staged_ddp_bucket(self, stages, flat: torch.Tensor, what: str, index: int, last: bool,
+                           group=None) -> torch.futures.Future:
         """One multi-stage DDP bucket (see :meth:`ddp_comm_hook`): its future, completed by the
         last bucket's call, or earlier where DDP's calls leave the usual order.
 
@@ -317,7 +330,7 @@ class GradientAlgorithm(Algorithm):
                 except RuntimeError:  # not inside backward (Join's shadow calls): is_last() ends them
                     pass
             queue.append((pending, torch.futures.Future(), flat))
-            if len(queue) > 1 and self.stages_overlap:
+            if len(queue) > 1 and self.advances_early(group):
                 queue[-2][0].advance()
             if last:
                 self._finish_ddp_buckets()
