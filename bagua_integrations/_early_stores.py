@@ -56,6 +56,22 @@ def _same_layout(a: torch.fx.Node, b: torch.fx.Node, device_type: str) -> bool:
             and va.device.type == device_type)
 
 
+def _ancestors(node: torch.fx.Node) -> set:
+    found, todo = set(), list(node.all_input_nodes)
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.add(current)
+            todo.extend(current.all_input_nodes)
+    return found
+
+
+def _after_a_combine(value: torch.fx.Node) -> bool:
+    """Whether ``value`` depends on a combine over a segment's blocks (a per-parameter norm)."""
+    return any(node.op == "call_function" and getattr(node.target, "namespace", None) == "bagua_integrations"
+               for node in _ancestors(value))
+
+
 def stores_early(graph: torch.fx.Graph, device_type: str = "cpu") -> int:
     """Move ``graph``'s write-backs of inputs on ``device_type`` early (see the module docstring);
     the number moved."""
@@ -68,6 +84,14 @@ def stores_early(graph: torch.fx.Graph, device_type: str = "cpu") -> int:
         target, value = write.args[0], write.args[1]
         if (targets.count(target) != 1 or not isinstance(value, torch.fx.Node) or value.op != "call_function"
                 or len(write.args) != 2 or write.kwargs or not _same_layout(target, value, device_type)):
+            continue
+        if _after_a_combine(value) or sum(is_input_mutation(user) for user in value.users) > 1:
+            # Only values computed before any per-parameter combine move (LAMB's moments). Moved,
+            # pytorch-optimizer's LARS with two weight matrices went wrong silently, compiled: its
+            # gradient and momentum buffer are written with values after the trust ratio (norms),
+            # and Inductor read a written input before its write (the previous step's update) or
+            # the new value where the old one was due (errors up to 4000x the update). A value
+            # written into two inputs (LARS: ``copy_(mb, copy_(grad, v))``) stays at the end too.
             continue
         later_uses = [user for user in value.users if user is not write]
         if not later_uses:

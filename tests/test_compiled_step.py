@@ -685,3 +685,27 @@ def test_lamb_stores_its_moments_where_it_computes_them_with_the_same_bits(monke
     for a, b in zip(models[1].parameters(), models[2].parameters()):
         assert torch.equal(a, b)
     assert_same_params(models[0], models[2], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
+                    reason=str(_compile.compile_unavailable_reason("segmented")))
+@pytest.mark.parametrize("momentum, nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_lars_writing_its_trust_scaled_update_into_two_inputs_compiled_is_the_unfused_step(momentum, nesterov):
+    """pytorch-optimizer's LARS writes its trust-scaled update into the gradient and the momentum
+    buffer. Compiled with those write-backs moved early, a run with two weight matrices went wrong
+    silently: the previous step's update (momentum 0.9), or errors thousands of times the update
+    (momentum 0, Nesterov). Values after a per-parameter norm are now written at the end."""
+    po = pytest.importorskip("pytorch_optimizer")
+    data = [(x.repeat(1, 11)[:, :64], torch.randn(16, 128, generator=torch.Generator().manual_seed(i)))
+            for i, (x, _) in enumerate(batches(4))]
+    models = [_BlockNet() for _ in range(2)]
+    kwargs = dict(lr=1e-2, weight_decay=0.01, momentum=momentum, nesterov=nesterov)
+    plain = po.LARS(models[0].parameters(), **kwargs)
+    compiled = fuse_optimizer(po.LARS(models[1].parameters(), **kwargs), compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        for model, opt in zip(models, (plain, compiled)):
+            _run(model, opt, data)
+    report = fusion_report(compiled)
+    assert report.compiled and report.group_paths == ["segmented"], report
+    assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
