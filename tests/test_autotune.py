@@ -177,6 +177,25 @@ def test_hierarchical_reduce_is_tuned_across_nodes():
     assert all(r[3] for r in results), "the averages changed while switching hierarchy"
 
 
+def _uneven_nodes(rank, world):
+    from bagua_integrations import bagua_init
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped, _ = bagua_init(model, optimizer, "gradient_allreduce", hierarchical_reduce=False)
+    tuner = wrapped.enable_autotune(max_trials=2, message_sizes=[64, wrapped.message_size], seed=0)
+    space = dict(tuner.space)
+    wrapped.close()
+    return space
+
+
+def test_a_world_that_does_not_split_into_nodes_tunes_the_other_settings():
+    """3 ranks with LOCAL_WORLD_SIZE=2, reduced flat: autotuning searches the bucket size and leaves
+    the hierarchy alone (it refused, telling the user to pass hierarchical_reduce=False, which they had)."""
+    for space in values(run_ranks(_uneven_nodes, 3, timeout=120, env={"LOCAL_WORLD_SIZE": "2"})):
+        assert "hierarchical" not in space and len(space["message_size"]) == 2, space
+
+
 _FRAME_PROBE = """
 import gc, sys, weakref
 from bagua_integrations.distributed import autotune

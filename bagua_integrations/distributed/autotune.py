@@ -135,8 +135,10 @@ class Autotuner:
         if hasattr(algorithm, "communication_interval") and "communication_interval" in settings:
             self.space["communication_interval"] = sorted({int(i) for i in intervals})
         if (algorithm.kind == "gradient" and "hierarchical" in settings and comm.is_distributed(self.group)
-                and comm.NodeGroups.of(self.group, timeout=self.timeout).active):
-            self.space["hierarchical"] = [0, 1]  # only across nodes (LOCAL_WORLD_SIZE ranks each) does it differ
+                and comm.NodeGroups.possible(self.group)):
+            # only across nodes (LOCAL_WORLD_SIZE ranks each) does it differ; where the world does not
+            # split into equal nodes, the other settings are tuned (a flat run there is no error)
+            self.space["hierarchical"] = [0, 1]
         if not self.space:
             raise AlgorithmConfigError(
                 f"{algorithm.name} has no communication setting to tune here (tunable: {', '.join(settings) or 'none'})")

@@ -525,6 +525,15 @@ class NodeGroups:
         """Whether there is a hierarchy at all (more than one node, more than one rank per node)."""
         return self.num_nodes > 1 and self.local_size > 1
 
+    @staticmethod
+    def possible(group=None) -> bool:
+        """Whether ``group``'s ranks split into equal nodes of ``LOCAL_WORLD_SIZE`` ranks with a
+        hierarchy to use (more than one node of more than one rank); unlike :meth:`of`, a world
+        that does not split (3 ranks, 2 per node) is an answer (False), not an error."""
+        size = world_size(group)
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        return 1 < local_size < size and size % local_size == 0
+
     @classmethod
     def of(cls, group=None, local_size: Optional[int] = None, timeout: Timeout = None) -> "NodeGroups":
         """The node groups of ``group``, created once per process (new groups are costly)."""
