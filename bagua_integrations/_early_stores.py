@@ -66,32 +66,39 @@ def _ancestors(node: torch.fx.Node) -> set:
     return found
 
 
-def _after_a_combine(value: torch.fx.Node) -> bool:
-    """Whether ``value`` depends on a combine over a segment's blocks (a per-parameter norm)."""
+def _rewrites_what_it_reduced(write: torch.fx.Node) -> bool:
+    """Whether ``write`` stores into an input a value that depends on a per-parameter combine
+    (a norm over the segment's blocks) of that input's old value, and other nodes read the value
+    too: LARS's ``grad <- (grad + wd * p) * trust(norm(grad))``, read again by its momentum and
+    its parameter update."""
+    target, value = write.args[0], write.args[1]
+    if not isinstance(value, torch.fx.Node) or all(user is write or is_input_mutation(user) for user in value.users):
+        return False
     return any(node.op == "call_function" and getattr(node.target, "namespace", None) == "bagua_integrations"
-               for node in _ancestors(value))
+               and target in _ancestors(node) for node in _ancestors(value))
 
 
 def stores_early(graph: torch.fx.Graph, device_type: str = "cpu") -> int:
     """Move ``graph``'s write-backs of inputs on ``device_type`` early (see the module docstring);
-    the number moved."""
+    the number moved.
+
+    None moves in a step that writes back a value computed from a combine of the same input's
+    old value and read again (:func:`_rewrites_what_it_reduced`): moved there, pytorch-optimizer's
+    LARS with two weight matrices went wrong silently, compiled (with momentum each matrix got the
+    previous step's update; without, or with Nesterov, errors thousands of times the update). Moving
+    only the other write-backs of such a step was wrong too (AdaNorm-like mixes were, in a trial),
+    so the whole step keeps its write-backs at the end."""
     nodes = list(graph.nodes)
     position = {node: index for index, node in enumerate(nodes)}
     writes = [node for node in nodes if is_input_mutation(node)]
+    if any(_rewrites_what_it_reduced(write) for write in writes):
+        return 0
     targets = [write.args[0] for write in writes]
     moved = 0
     for write in writes:
         target, value = write.args[0], write.args[1]
         if (targets.count(target) != 1 or not isinstance(value, torch.fx.Node) or value.op != "call_function"
                 or len(write.args) != 2 or write.kwargs or not _same_layout(target, value, device_type)):
-            continue
-        if _after_a_combine(value) or sum(is_input_mutation(user) for user in value.users) > 1:
-            # Only values computed before any per-parameter combine move (LAMB's moments). Moved,
-            # pytorch-optimizer's LARS with two weight matrices went wrong silently, compiled: its
-            # gradient and momentum buffer are written with values after the trust ratio (norms),
-            # and Inductor read a written input before its write (the previous step's update) or
-            # the new value where the old one was due (errors up to 4000x the update). A value
-            # written into two inputs (LARS: ``copy_(mb, copy_(grad, v))``) stays at the end too.
             continue
         later_uses = [user for user in value.users if user is not write]
         if not later_uses:

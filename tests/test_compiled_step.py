@@ -689,19 +689,24 @@ def test_lamb_stores_its_moments_where_it_computes_them_with_the_same_bits(monke
 
 @pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
                     reason=str(_compile.compile_unavailable_reason("segmented")))
-@pytest.mark.parametrize("momentum, nesterov", [(0.0, False), (0.9, False), (0.9, True)])
-def test_lars_writing_its_trust_scaled_update_into_two_inputs_compiled_is_the_unfused_step(momentum, nesterov):
-    """pytorch-optimizer's LARS writes its trust-scaled update into the gradient and the momentum
-    buffer. Compiled with those write-backs moved early, a run with two weight matrices went wrong
-    silently: the previous step's update (momentum 0.9), or errors thousands of times the update
-    (momentum 0, Nesterov). Values after a per-parameter norm are now written at the end."""
+@pytest.mark.parametrize("name, kwargs", [
+    ("LARS", dict(momentum=0.0)), ("LARS", dict(momentum=0.9)), ("LARS", dict(momentum=0.9, nesterov=True)),
+    ("AdaNorm", {}),
+], ids=["LARS", "LARS-momentum", "LARS-nesterov", "AdaNorm"])
+def test_write_backs_after_a_per_parameter_norm_compiled_are_the_unfused_step(name, kwargs):
+    """pytorch-optimizer's LARS writes its trust-scaled update into the gradient (whose norm the
+    trust ratio took) and the momentum buffer. Compiled with those write-backs moved early, a run
+    with two weight matrices went wrong silently: the previous step's update (momentum 0.9), or
+    errors thousands of times the update (momentum 0, Nesterov). Such a step now keeps all its
+    write-backs at the end. AdaNorm: a step that moves some write-backs and not others; keeping
+    only those after a norm at the end gave it errors 270x the update (a rule tried first)."""
     po = pytest.importorskip("pytorch_optimizer")
     data = [(x.repeat(1, 11)[:, :64], torch.randn(16, 128, generator=torch.Generator().manual_seed(i)))
             for i, (x, _) in enumerate(batches(4))]
     models = [_BlockNet() for _ in range(2)]
-    kwargs = dict(lr=1e-2, weight_decay=0.01, momentum=momentum, nesterov=nesterov)
-    plain = po.LARS(models[0].parameters(), **kwargs)
-    compiled = fuse_optimizer(po.LARS(models[1].parameters(), **kwargs), compile=True)
+    kwargs = dict(lr=1e-2, weight_decay=0.01, **kwargs)
+    plain = getattr(po, name)(models[0].parameters(), **kwargs)
+    compiled = fuse_optimizer(getattr(po, name)(models[1].parameters(), **kwargs), compile=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)
         for model, opt in zip(models, (plain, compiled)):
