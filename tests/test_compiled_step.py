@@ -691,15 +691,16 @@ def test_lamb_stores_its_moments_where_it_computes_them_with_the_same_bits(monke
                     reason=str(_compile.compile_unavailable_reason("segmented")))
 @pytest.mark.parametrize("name, kwargs", [
     ("LARS", dict(momentum=0.0)), ("LARS", dict(momentum=0.9)), ("LARS", dict(momentum=0.9, nesterov=True)),
-    ("AdaNorm", {}),
-], ids=["LARS", "LARS-momentum", "LARS-nesterov", "AdaNorm"])
+    ("AdaNorm", {}), ("FAdam", {}),
+], ids=["LARS", "LARS-momentum", "LARS-nesterov", "AdaNorm", "FAdam"])
 def test_write_backs_after_a_per_parameter_norm_compiled_are_the_unfused_step(name, kwargs):
     """pytorch-optimizer's LARS writes its trust-scaled update into the gradient (whose norm the
     trust ratio took) and the momentum buffer. Compiled with those write-backs moved early, a run
     with two weight matrices went wrong silently: the previous step's update (momentum 0.9), or
-    errors thousands of times the update (momentum 0, Nesterov). Such a step now keeps all its
-    write-backs at the end. AdaNorm: a step that moves some write-backs and not others; keeping
-    only those after a norm at the end gave it errors 270x the update (a rule tried first)."""
+    errors thousands of times the update (momentum 0, Nesterov). AdaNorm: a step that moves some
+    write-backs and not others; keeping only those after a norm at the end gave it errors 270x the
+    update (a rule tried first). FAdam (its RMS-clipped updates): 18 % off with them moved. Steps of
+    optimizers from outside this package now keep their write-backs at the end."""
     po = pytest.importorskip("pytorch_optimizer")
     data = [(x.repeat(1, 11)[:, :64], torch.randn(16, 128, generator=torch.Generator().manual_seed(i)))
             for i, (x, _) in enumerate(batches(4))]
