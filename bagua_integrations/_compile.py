@@ -96,8 +96,17 @@ MAX_GRAPHS = 4
 # (``block_loops_pass``) and write-backs where their values are computed (``stores_early``), so
 # that a value is stored in the loop that reduces it. Off only to measure what they change.
 BLOCK_LOOPS = True
-# The package's own optimizers, whose compiled steps may store early (CompiledStep.early_stores).
+# The package's own optimizers, whose compiled steps may store early (may_store_early).
 _OWN_OPTIMIZERS = __name__.rsplit(".", 1)[0] + ".optim"
+
+
+def may_store_early(optimizer) -> bool:
+    """Whether ``optimizer``'s compiled steps move write-backs to where their values are computed
+    (``stores_early``): only this package's own optimizers (LAMB: 1.25x faster on BERT-base), where
+    tests pin the same bits. In pytorch-optimizer's LARS, AdaNorm and FAdam moving them made
+    Inductor read a written input before its write, or a new value where the old one was due
+    (silent errors, 0.18-4000x the update)."""
+    return type(optimizer).__module__.startswith(_OWN_OPTIMIZERS)
 # Below this many flat elements, compile time outweighs the gain ("auto" stays eager).
 AUTO_MIN_ELEMENTS = 1 << 20
 
@@ -403,8 +412,9 @@ class CompiledStep:
 
     _instances = 0
 
-    def __init__(self, max_graphs: int = MAX_GRAPHS, dynamic: Optional[bool] = None):
+    def __init__(self, max_graphs: int = MAX_GRAPHS, dynamic: Optional[bool] = None, early_stores: bool = False):
         self.max_graphs = max_graphs
+        self.early_stores = early_stores  # see may_store_early
         self.graphs = 0
         self.compile_seconds = 0.0
         self.compiled_steps = 0
@@ -413,12 +423,6 @@ class CompiledStep:
         # by the caller before each call; empty for segmented and per-tensor steps)
         self.watched: Dict[int, FrozenSet[int]] = {}
         self._hyperparameters: Dict[tuple, float] = {}  # see _changed_hyperparameter
-        # Write-backs moved to where their values are computed (stores_early) only in this package's
-        # own optimizers' steps (LAMB: 1.25x faster on BERT-base), where tests pin the same bits: in
-        # pytorch-optimizer's LARS, AdaNorm and FAdam moving them made Inductor read a written input
-        # before its write, or a new value where the old one was due (silent errors, 0.18-4000x the
-        # update). Set from the optimizer at each call, before a graph is compiled.
-        self.early_stores = False
         CompiledStep._instances += 1
         private = _private_copy(_step_with_scalars_as_operands, f"fused_step_{CompiledStep._instances}")
         self._compiled = torch.compile(private, backend=self._backend, fullgraph=True, dynamic=dynamic)
@@ -458,7 +462,6 @@ class CompiledStep:
         return self.disabled_reason is None and self._run_compiled(optimizer, raw_step, mode)
 
     def _run_compiled(self, optimizer, raw_step, mode) -> bool:
-        self.early_stores = type(optimizer).__module__.startswith(_OWN_OPTIMIZERS)
         changed = _changed_hyperparameter(optimizer, self._hyperparameters)
         if changed is not None:
             self._disable(f"{changed}, and compiled steps are known to follow only a changing learning rate "

@@ -715,3 +715,26 @@ def test_write_backs_after_a_per_parameter_norm_compiled_are_the_unfused_step(na
     report = fusion_report(compiled)
     assert report.compiled and report.group_paths == ["segmented"], report
     assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(_compile.compile_unavailable_reason("segmented") is not None,
+                    reason=str(_compile.compile_unavailable_reason("segmented")))
+@pytest.mark.parametrize("momentum, nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_stores_early_keeps_a_rewrite_of_what_the_step_reduced_at_the_end(monkeypatch, momentum, nesterov):
+    """Where early stores do apply (this package's optimizers), a step that writes back a value
+    computed from a norm of the same input and reads it again (LARS's gradient) still keeps its
+    write-backs at the end: LARS with early stores forced on, compiled == unfused."""
+    po = pytest.importorskip("pytorch_optimizer")
+    monkeypatch.setattr(fused_optimizer_module, "may_store_early", lambda optimizer: True)
+    data = [(x.repeat(1, 11)[:, :64], torch.randn(16, 128, generator=torch.Generator().manual_seed(i)))
+            for i, (x, _) in enumerate(batches(4))]
+    models = [_BlockNet() for _ in range(2)]
+    kwargs = dict(lr=1e-2, weight_decay=0.01, momentum=momentum, nesterov=nesterov)
+    plain = po.LARS(models[0].parameters(), **kwargs)
+    compiled = fuse_optimizer(po.LARS(models[1].parameters(), **kwargs), compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        for model, opt in zip(models, (plain, compiled)):
+            _run(model, opt, data)
+    assert fusion_report(compiled).compiled
+    assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
