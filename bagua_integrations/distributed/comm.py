@@ -488,11 +488,16 @@ class NodeGroups:
 
     _cache = {}
 
+    @staticmethod
+    def local_size_of(group=None) -> int:
+        """Ranks per node: ``LOCAL_WORLD_SIZE``, else all of ``group`` (one node)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size(group)))
+
     def __init__(self, group=None, local_size: Optional[int] = None, timeout: Timeout = None):
         ranks = group_ranks(group)
         size = len(ranks)
         if local_size is None:
-            local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+            local_size = self.local_size_of(group)
         if local_size <= 0 or size % local_size:
             raise AlgorithmConfigError(
                 f"hierarchical_reduce needs every node to hold the same number of ranks, but the "
@@ -530,15 +535,14 @@ class NodeGroups:
         """Whether ``group``'s ranks split into equal nodes of ``LOCAL_WORLD_SIZE`` ranks with a
         hierarchy to use (more than one node of more than one rank); unlike :meth:`of`, a world
         that does not split (3 ranks, 2 per node) is an answer (False), not an error."""
-        size = world_size(group)
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        size, local_size = world_size(group), NodeGroups.local_size_of(group)
         return 1 < local_size < size and size % local_size == 0
 
     @classmethod
     def of(cls, group=None, local_size: Optional[int] = None, timeout: Timeout = None) -> "NodeGroups":
         """The node groups of ``group``, created once per process (new groups are costly)."""
         if local_size is None:
-            local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size(group)))
+            local_size = cls.local_size_of(group)
         key = (id(group), local_size)
         cached = cls._cache.get(key)
         if cached is None or cached[0] is not dist.group.WORLD:
