@@ -202,10 +202,43 @@ def scenario_value(results: List[RankResult], name: str) -> List[Any]:
     return [res[name][1] for res in per_rank]
 
 
+def descendants(pid: int) -> List[int]:
+    """The processes under ``pid`` (children, theirs, ...), read from Linux's /proc; [] elsewhere."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def signal_all(pids: List[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except OSError:  # gone already
+            pass
+
+
 def run_torchrun_cases(script, out_dir, cases: List[str], timeout: float) -> Dict[str, Any]:
     """``torchrun --standalone --nproc_per_node 2 script out_dir *cases`` on gloo/CPU, then the JSON
     each case wrote as ``out_dir/<case>.json``. A timeout or a non-zero exit fails the test with
-    the run's output (never hangs: ``timeout`` seconds at most)."""
+    the run's output (never hangs: ``timeout`` seconds at most, plus 30 to collect the stacks).
+
+    At the deadline torchrun and every process under it get SIGABRT first: with
+    ``PYTHONFAULTHANDLER`` set each prints every thread's Python stack, so a hang that shows once
+    in many runs says where it hung (the cases that finished wrote their JSON). Then SIGKILL, also
+    for a worker torchrun left behind (each runs in a session of its own)."""
     import json
     import subprocess
     import sys
@@ -217,17 +250,31 @@ def run_torchrun_cases(script, out_dir, cases: List[str], timeout: float) -> Dic
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"
     env.pop("CUDA_VISIBLE_DEVICES", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(script), str(out_dir), *cases]
+    proc = subprocess.Popen(command, env=env, cwd=str(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
-        done = subprocess.run(command, env=env, cwd=str(root), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as error:
-        output = "\n".join(
-            (part.decode(errors="replace") if isinstance(part, bytes) else part or "")[-3000:]
-            for part in (error.stdout, error.stderr)
-        )
-        pytest.fail(f"torchrun did not finish in {error.timeout}s:\n{output}")
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        finished = sorted(path.stem for path in Path(out_dir).glob("*.json"))
+        # torchrun starts each worker in a session of its own: signal the processes, not a group
+        processes = [proc.pid, *descendants(proc.pid)]
+        signal_all(processes, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            signal_all([proc.pid, *descendants(proc.pid), *processes], signal.SIGKILL)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a process out of reach holds the pipes: give up reading
+                stdout, stderr = "", "(no output: the pipes stayed open after every process was killed)"
+        signal_all(processes, signal.SIGKILL)  # a worker torchrun left behind
+        pytest.fail(f"torchrun did not finish in {timeout}s; cases finished: {finished}; its output, then "
+                    f"every thread's stack at the deadline:\n{stdout[-3000:]}\n{stderr[-30000:]}")
+    done = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
     if done.returncode != 0:
         pytest.fail(f"torchrun exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
     found = {}
