@@ -230,6 +230,45 @@ def signal_all(pids: List[int], signum: int) -> None:
             pass
 
 
+def run_cases_in_worker(out_dir: str, cases: List[str], run_case: Callable[[str], Dict[str, Any]],
+                        before_each: Optional[Callable[[], None]] = None,
+                        extra: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
+    """The loop of a :func:`run_torchrun_cases` worker: ``run_case(case)`` for each case, and rank 0
+    writes ``out_dir/<case>.json`` (plus ``seconds`` and ``extra()``).
+
+    A case that raises on a rank ends that rank's process at once (exit code 1), after writing
+    the traceback to ``<case>.crash-rank<r>.json`` and to stderr: torchrun then stops the other ranks and the
+    test fails with the traceback. Going on with the next case instead hung the run, when only
+    one rank raised: the other was still in the case's collectives while this one started the
+    next case's (seen: a rank whose output pipe broke mid-case; 18 minutes in two different DDP
+    collectives, gloo's 120 s timeout never fired)."""
+    import json
+    import sys
+
+    import torch.distributed as dist
+
+    for case in cases:
+        started = time.time()
+        if before_each is not None:
+            before_each()
+        try:
+            result = run_case(case)
+        except BaseException:  # noqa: BLE001 - reported, then this rank ends
+            crash = traceback.format_exc()[-3000:]
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with open(os.path.join(out_dir, f"{case}.crash-rank{rank}.json"), "w") as handle:
+                json.dump({"crash": crash}, handle)
+            print(f"case {case} raised on rank {rank}:\n{crash}", file=sys.stderr, flush=True)
+            os._exit(1)
+        result["seconds"] = round(time.time() - started, 2)
+        result.update(extra() if extra is not None else {})
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with open(os.path.join(out_dir, f"{case}.json"), "w") as handle:
+                json.dump(result, handle)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def run_torchrun_cases(script, out_dir, cases: List[str], timeout: float) -> Dict[str, Any]:
     """``torchrun --standalone --nproc_per_node 2 script out_dir *cases`` on gloo/CPU, then the JSON
     each case wrote as ``out_dir/<case>.json``. A timeout or a non-zero exit fails the test with
@@ -276,7 +315,10 @@ def run_torchrun_cases(script, out_dir, cases: List[str], timeout: float) -> Dic
                     f"every thread's stack at the deadline:\n{stdout[-3000:]}\n{stderr[-30000:]}")
     done = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
     if done.returncode != 0:
-        pytest.fail(f"torchrun exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+        crashes = [f"{path.stem}: {json.loads(path.read_text())['crash']}" for path in sorted(Path(out_dir).glob("*.json"))
+                   if "crash" in json.loads(path.read_text())]
+        pytest.fail(f"torchrun exited with {done.returncode}; cases that raised: {crashes}\n"
+                    f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
     found = {}
     for case in cases:
         path = Path(out_dir) / f"{case}.json"

@@ -18,11 +18,8 @@ Cases:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import _hf_utils as U  # noqa: E402
+from _dist_utils import run_cases_in_worker  # noqa: E402
 
 STEPS = 12
 ALGO_KWARGS = {
@@ -181,36 +179,28 @@ def run_mismatch_case(name, out_dir):
     return {"error": None}
 
 
+RUNNERS = {"trainer": run_trainer_case, "accelerate": run_accelerate_case, "mismatch": run_mismatch_case}
+
+
 def main():
     out_dir, cases = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
     from bagua_integrations.distributed import collective_log
 
-    for case in cases:
-        started = time.time()
+    def before_each():
         U.reset_accelerate_state()
         collective_log.reset()
+
+    def run_case(case):
         kind, _, name = case.partition("-")
-        try:
-            if kind == "trainer":
-                result = run_trainer_case(name, out_dir)
-            elif kind == "accelerate" and name == "qadam+clip":
-                result = run_accelerate_clip_case(name, out_dir)
-            elif kind == "accelerate":
-                result = run_accelerate_case(name, out_dir)
-            elif kind == "mismatch":
-                result = run_mismatch_case(name, out_dir)
-            else:
-                raise ValueError(f"unknown case {case!r}")
-        except Exception:  # noqa: BLE001 - report and go on with the other cases
-            result = {"crash": traceback.format_exc()[-3000:]}
-        result["seconds"] = round(time.time() - started, 2)
-        result["collectives"] = dict(collective_log.calls)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            with open(os.path.join(out_dir, f"{case}.json"), "w") as handle:
-                json.dump(result, handle)
-    if dist.is_initialized():
-        dist.barrier()
+        if case == "accelerate-qadam+clip":
+            return run_accelerate_clip_case(name, out_dir)
+        if kind not in RUNNERS:
+            raise ValueError(f"unknown case {case!r}")
+        return RUNNERS[kind](name, out_dir)
+
+    run_cases_in_worker(out_dir, cases, run_case, before_each,
+                        extra=lambda: {"collectives": dict(collective_log.calls)})
 
 
 if __name__ == "__main__":

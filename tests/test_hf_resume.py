@@ -29,17 +29,14 @@ has a launch of its own (``SEARCH_CASES``), so that its test runs alone in a few
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
-from _dist_utils import case_result, run_torchrun_cases
+from _dist_utils import case_result, run_cases_in_worker, run_torchrun_cases
 
 HERE = Path(__file__).resolve().parent
 STEPS, SAVE_AT = 8, 4
@@ -208,26 +205,17 @@ def _compare(full, resumed, files):
 
 
 def main():
-    import torch.distributed as dist
-
     sys.path.insert(0, str(HERE))
     out_dir, cases = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
     runners = {"trainer": run_trainer_case, "accelerate": run_accelerate_case, "missing": run_missing_case,
                "search": run_search_case}
-    for case in cases:
-        started = time.time()
+
+    def run_case(case):
         kind, _, name = case.partition("-")
-        try:
-            result = runners[kind](name, out_dir)
-        except Exception:  # noqa: BLE001 - report and go on with the other cases
-            result = {"crash": traceback.format_exc()[-3000:]}
-        result["seconds"] = round(time.time() - started, 2)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            with open(os.path.join(out_dir, f"{case}.json"), "w") as handle:
-                json.dump(result, handle)
-    if dist.is_initialized():
-        dist.barrier()
+        return runners[kind](name, out_dir)
+
+    run_cases_in_worker(out_dir, cases, run_case)
 
 
 # --------------------------------------------------------------------------- tests
