@@ -96,17 +96,6 @@ MAX_GRAPHS = 4
 # (``block_loops_pass``) and write-backs where their values are computed (``stores_early``), so
 # that a value is stored in the loop that reduces it. Off only to measure what they change.
 BLOCK_LOOPS = True
-# The package's own optimizers, whose compiled steps may store early (may_store_early).
-_OWN_OPTIMIZERS = __name__.rsplit(".", 1)[0] + ".optim"
-
-
-def may_store_early(optimizer) -> bool:
-    """Whether ``optimizer``'s compiled steps move write-backs to where their values are computed
-    (``stores_early``): only this package's own optimizers (LAMB: 1.25x faster on BERT-base), where
-    tests pin the same bits. In pytorch-optimizer's LARS, AdaNorm and FAdam moving them made
-    Inductor read a written input before its write, or a new value where the old one was due
-    (silent errors, 0.18-4000x the update)."""
-    return type(optimizer).__module__.startswith(_OWN_OPTIMIZERS)
 # Below this many flat elements, compile time outweighs the gain ("auto" stays eager).
 AUTO_MIN_ELEMENTS = 1 << 20
 
@@ -414,7 +403,7 @@ class CompiledStep:
 
     def __init__(self, max_graphs: int = MAX_GRAPHS, dynamic: Optional[bool] = None, early_stores: bool = False):
         self.max_graphs = max_graphs
-        self.early_stores = early_stores  # see may_store_early
+        self.early_stores = early_stores  # segmented steps: see stores_early
         self.graphs = 0
         self.compile_seconds = 0.0
         self.compiled_steps = 0

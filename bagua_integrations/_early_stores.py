@@ -14,7 +14,9 @@ value was last read, and lets later nodes read the written input. The values are
 value and its write-back have one dtype, shape and strides, or the write-back stays where it is);
 only where they are stored and read moves. Inductor fuses the early store into the kernel that
 computes the value, where the per-block reductions' loops have the same shape
-(``_torch_compat.block_loops_pass``).
+(``_torch_compat.block_loops_pass``). That pass must keep the scheduler's name for a read of a
+written input (the write's, not the input's): without it, a reshaped loop read the input as it was
+before the write, and pytorch-optimizer's LARS and FAdam stepped wrong, silently, compiled.
 """
 
 from __future__ import annotations
@@ -56,43 +58,12 @@ def _same_layout(a: torch.fx.Node, b: torch.fx.Node, device_type: str) -> bool:
             and va.device.type == device_type)
 
 
-def _ancestors(node: torch.fx.Node) -> set:
-    found, todo = set(), list(node.all_input_nodes)
-    while todo:
-        current = todo.pop()
-        if current not in found:
-            found.add(current)
-            todo.extend(current.all_input_nodes)
-    return found
-
-
-def _rewrites_what_it_reduced(write: torch.fx.Node) -> bool:
-    """Whether ``write`` stores into an input a value that depends on a per-parameter combine
-    (a norm over the segment's blocks) of that input's old value, and other nodes read the value
-    too: LARS's ``grad <- (grad + wd * p) * trust(norm(grad))``, read again by its momentum and
-    its parameter update."""
-    target, value = write.args[0], write.args[1]
-    if not isinstance(value, torch.fx.Node) or all(user is write or is_input_mutation(user) for user in value.users):
-        return False
-    return any(node.op == "call_function" and getattr(node.target, "namespace", None) == "bagua_integrations"
-               and target in _ancestors(node) for node in _ancestors(value))
-
-
 def stores_early(graph: torch.fx.Graph, device_type: str = "cpu") -> int:
     """Move ``graph``'s write-backs of inputs on ``device_type`` early (see the module docstring);
-    the number moved.
-
-    None moves in a step that writes back a value computed from a combine of the same input's
-    old value and read again (:func:`_rewrites_what_it_reduced`): moved there, pytorch-optimizer's
-    LARS with two weight matrices went wrong silently, compiled (with momentum each matrix got the
-    previous step's update; without, or with Nesterov, errors thousands of times the update). Moving
-    only the other write-backs of such a step was wrong too (AdaNorm-like mixes were, in a trial),
-    so the whole step keeps its write-backs at the end."""
+    the number moved."""
     nodes = list(graph.nodes)
     position = {node: index for index, node in enumerate(nodes)}
     writes = [node for node in nodes if is_input_mutation(node)]
-    if any(_rewrites_what_it_reduced(write) for write in writes):
-        return 0
     targets = [write.args[0] for write in writes]
     moved = 0
     for write in writes:

@@ -298,6 +298,12 @@ def block_loops_pass():
         try:
             node.recompute_size_and_body(extra_indexing_constraints=constraints,
                                          recompute_sizes_body_func=split_into(blocks, block))
+            # Its reads named again as the scheduler named them: a read of a buffer written earlier
+            # in the graph (an input stored early, ``stores_early``) is a read of that write.
+            # ``recompute_size_and_body`` renames only nodes that also have fake dependencies; without
+            # this, the node read the input as it was before the write, and the scheduler put it in
+            # a loop before the store (pytorch-optimizer's FAdam and LARS, compiled: silent errors).
+            node.set_read_writes(node.read_writes.rename(node.mutation_renames))
             ok = tuple(constant(size) for size in node.group[1][0]) == (blocks, block)
         except Exception:  # an Inductor whose nodes differ: keep its own loop
             ok = False
@@ -316,7 +322,7 @@ def block_loops_pass():
             return nodes
 
         def uuid(self):
-            return "bagua-block-loops-1"
+            return "bagua-block-loops-2"  # (2: reads keep the scheduler's names)
 
     return BlockLoops()
 

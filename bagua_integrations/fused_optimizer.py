@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason, may_store_early
+from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason
 from ._late_reductions import RAISED, DryRun, LateReduction
 from ._per_tensor import Bookkeeping, PerTensorSteps
 from ._layout import FlatLayout, FusionConfig, is_sharded
@@ -615,7 +615,7 @@ class Fusion:
             # disagree; it stays eager (a compiled step cannot branch on a tensor's value)
             branches = any(group.value_branches for group in groups)
             compiled = None if branches or self.compiled_step is None or self._segmented_compile_refused() \
-                else CompiledStep(early_stores=may_store_early(optimizer))  # (only segmented steps store early)
+                else CompiledStep(early_stores=True)  # (only segmented steps store early)
             mode = SegmentedMode(segmentations, lone_lists_over_runs=any(group.lone_lists_over_runs for group in groups),
                                  journal=branches)
             if compiled is not None:  # the compiled step's per-block index, built once per layout
