@@ -401,9 +401,8 @@ class CompiledStep:
 
     _instances = 0
 
-    def __init__(self, max_graphs: int = MAX_GRAPHS, dynamic: Optional[bool] = None, early_stores: bool = False):
+    def __init__(self, max_graphs: int = MAX_GRAPHS, dynamic: Optional[bool] = None):
         self.max_graphs = max_graphs
-        self.early_stores = early_stores  # segmented steps: see stores_early
         self.graphs = 0
         self.compile_seconds = 0.0
         self.compiled_steps = 0
@@ -425,8 +424,7 @@ class CompiledStep:
             raise LateReduction(groups, what)
         self.graphs += 1
         scheduler_pass = block_loops_pass() if BLOCK_LOOPS else None
-        compile_graph = inductor_with_post_grad_pass(inductor_backend(), post_grad_pass(scheduler_pass is not None
-                                                                                         and self.early_stores),
+        compile_graph = inductor_with_post_grad_pass(inductor_backend(), post_grad_pass(scheduler_pass is not None),
                                                      scheduler_pass)
         return with_scalar_prologue(compile_graph, graph_module, example_inputs)
 

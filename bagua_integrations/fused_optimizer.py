@@ -615,7 +615,7 @@ class Fusion:
             # disagree; it stays eager (a compiled step cannot branch on a tensor's value)
             branches = any(group.value_branches for group in groups)
             compiled = None if branches or self.compiled_step is None or self._segmented_compile_refused() \
-                else CompiledStep(early_stores=True)  # (only segmented steps store early)
+                else CompiledStep()
             mode = SegmentedMode(segmentations, lone_lists_over_runs=any(group.lone_lists_over_runs for group in groups),
                                  journal=branches)
             if compiled is not None:  # the compiled step's per-block index, built once per layout

@@ -315,8 +315,8 @@ def run_torchrun_cases(script, out_dir, cases: List[str], timeout: float) -> Dic
                     f"every thread's stack at the deadline:\n{stdout[-3000:]}\n{stderr[-30000:]}")
     done = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
     if done.returncode != 0:
-        crashes = [f"{path.stem}: {json.loads(path.read_text())['crash']}" for path in sorted(Path(out_dir).glob("*.json"))
-                   if "crash" in json.loads(path.read_text())]
+        crashes = [f"{path.stem}: {json.loads(path.read_text())['crash']}"
+                   for path in sorted(Path(out_dir).glob("*.crash-rank*.json"))]
         pytest.fail(f"torchrun exited with {done.returncode}; cases that raised: {crashes}\n"
                     f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
     found = {}
