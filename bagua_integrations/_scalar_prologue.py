@@ -18,8 +18,10 @@ where the kernel uses it), and the rest of the graph is unchanged.
 The same holds for 0-dim tensor math: torch.optim keeps each step count as a 0-dim tensor, and
 compiled its AdamW computes ``1 - beta ** step_t`` from it (BERT-base AdamW on a flat buffer: 95
 ms a step with it in the kernel, 66-75 ms hoisted, on a 2-core CPU). The prologue replays that
-math with the same tensor operations (so the same values as the graph), for kernels of at least
-``TENSOR_PROLOGUE_MIN_ELEMENTS`` (a few eager calls cost more than they save on small ones). A
+math with the same tensor operations, in double precision, as eager torch.optim computes it (it
+reads the step count with ``.item()`` and does its scalar math in Python floats): float32 math
+there was far from eager where it cancels (RAdam's rectification, see :func:`_in_double`). It is
+hoisted from every CPU kernel, whatever its size, for those numbers; a few eager calls a step. A
 graph may write such a tensor (``step_t += 1``) before reading it: the prologue follows the
 graph's order, replays a known in-place update out of place, and replays nothing more of a
 tensor written or viewed otherwise.
@@ -84,22 +86,11 @@ _TENSOR_PURE = _TENSOR_TRANSCENDENTAL | {
 # writing it (the compiled graph still does), and later reads of the tensor see that value
 _TENSOR_IN_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
                     operator.itruediv: operator.truediv, "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
-# Replaying 0-dim tensor math costs a few eager calls per step (~5 us each on a CPU); evaluating it
-# per vector inside a kernel costs ~0.3 ns per element (BERT-base AdamW: 95 -> 66 ms a step): hoisted
-# where a kernel it feeds has this many elements.
-TENSOR_PROLOGUE_MIN_ELEMENTS = 1 << 18
-
-
-def _large(value: torch.Tensor) -> bool:
-    numel = value.numel()
-    return not isinstance(numel, int) or numel >= TENSOR_PROLOGUE_MIN_ELEMENTS
-
-
-def _users_feeding_cpu_tensor_ops(node: torch.fx.Node, large_only: bool) -> List[torch.fx.Node]:
+def _users_feeding_cpu_tensor_ops(node: torch.fx.Node) -> List[torch.fx.Node]:
     # CPU only: a GPU kernel evaluates such a scalar per thread at no memory cost, and a prologue
     # there would add a host-to-device copy per value (unmeasured on GPUs so far)
     return [user for user in node.users if user.op in ("call_function", "call_method")
-            and (big := _big_tensor(user)) is not None and big.device.type == "cpu" and (not large_only or _large(big))]
+            and (big := _big_tensor(user)) is not None and big.device.type == "cpu"]
 
 
 _VIEWS = {"view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "squeeze", "unsqueeze", "flatten",
@@ -125,6 +116,22 @@ def _written_or_aliased(node: torch.fx.Node) -> List[torch.fx.Node]:
     for value in touched:
         torch.fx.node.map_arg(value, found.append)
     return found
+
+
+def _in_double(prologue: torch.fx.Graph, value: torch.fx.Node, node: torch.fx.Node) -> torch.fx.Node:
+    """``value`` (a 0-dim input of the prologue) as float64 where it is a lower-precision float.
+
+    Why: eager torch.optim reads a step count with ``.item()`` and computes its scalars in Python
+    floats, in double precision; compiled, they are 0-dim float32 tensor math. Where that math
+    cancels, float32 is far from eager: RAdam's length of the approximated SMA,
+    ``rho_inf - 2 * step * beta2 ** step / (1 - beta2 ** step)``, is about 6 at its first rectified
+    step, a difference of two numbers near 2000, and its rectification came out ~1e-3 off (1.7e-4
+    relative in the parameters after one step, as ``torch.compile(opt.step)`` gives). Replayed in
+    double precision and rounded once where a kernel reads them, the values are eager's."""
+    example = node.meta.get("example_value")
+    if not example.is_floating_point() or example.dtype == torch.float64:
+        return value
+    return prologue.call_method("to", (value, torch.float64))
 
 
 def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.GraphModule]:
@@ -155,11 +162,12 @@ def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.
             env[node] = prologue.node_copy(node)  # (every input, so that the prologue takes the same arguments)
             if _zero_dim_cpu(node):
                 tensors.add(node)
+                env[node] = _in_double(prologue, env[node], node)
             elif not _is_symbolic_scalar(node):
                 env[node] = None
             continue
         if node.op == "get_attr":  # a tensor Dynamo holds as an attribute (an optimizer's state, its step count)
-            env[node] = prologue.node_copy(node) if _zero_dim_cpu(node) else None
+            env[node] = _in_double(prologue, prologue.node_copy(node), node) if _zero_dim_cpu(node) else None
             if env[node] is not None:
                 tensors.add(node)
             continue
@@ -191,12 +199,12 @@ def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.
             if touched in tensors:
                 env[touched] = None
                 written.add(touched)
-    # A 0-dim tensor feeds a big kernel directly or through more 0-dim math; where that math cannot be
+    # A 0-dim tensor feeds a kernel directly or through more 0-dim math; where that math cannot be
     # replayed (it reads a learning rate that Dynamo made a graph input: ``lr_t.item()``), the values
     # it starts from are hoisted, and the cheap rest stays in the kernel.
     feeds: Dict[torch.fx.Node, bool] = {}
     for node in reversed(gm.graph.nodes):
-        feeds[node] = bool(_users_feeding_cpu_tensor_ops(node, large_only=True)) or any(
+        feeds[node] = bool(_users_feeding_cpu_tensor_ops(node)) or any(
             feeds.get(user, False) for user in node.users if _zero_dim_cpu(user))
     chosen, outputs = [], []
     for node in gm.graph.nodes:
@@ -205,7 +213,7 @@ def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.
         if node in tensors:
             hoist = feeds[node] and any(env.get(user) is None for user in node.users)
         else:
-            hoist = bool(_users_feeding_cpu_tensor_ops(node, large_only=False))
+            hoist = bool(_users_feeding_cpu_tensor_ops(node))
         if hoist:
             chosen.append(node)
             outputs.append(env[node])
@@ -245,7 +253,7 @@ def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, exam
     fake_mode = detect_fake_mode(example_inputs)
     graph = gm.graph
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    dtypes: List[Optional[torch.dtype]] = []
+    dtypes: List[torch.dtype] = []
     extra_examples = []
     anchor = last_placeholder
     for index, node in enumerate(chosen):
@@ -254,9 +262,9 @@ def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, exam
         if zero_dim is not None:  # every read of it takes the hoisted value (same dtype: promotion unchanged)
             uses, dtype, device = list(node.users), zero_dim.dtype, zero_dim.device
         else:  # a Python scalar becomes a tensor of the compute type, where tensor operations read it
-            uses = _users_feeding_cpu_tensor_ops(node, large_only=False)
+            uses = _users_feeding_cpu_tensor_ops(node)
             dtype, device = _compute_dtype(uses[0]), _big_tensor(uses[0]).device
-        dtypes.append(None if zero_dim is not None else dtype)
+        dtypes.append(dtype)
         example = torch.zeros((), dtype=dtype, device=device)
         if fake_mode is not None:
             example = fake_mode.from_tensor(example)
@@ -280,7 +288,8 @@ def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, exam
 
     def scalars_for(args) -> List[torch.Tensor]:
         values = prologue(*args)
-        return [v if d is None else torch.tensor(float(v), dtype=d, device=dev)
+        # (0-dim tensor math was replayed in double precision: rounded once, to the graph's dtype)
+        return [v.to(d) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=d, device=dev)
                 for v, d, dev in zip(values, dtypes, devices)]
 
 

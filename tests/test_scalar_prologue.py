@@ -114,7 +114,7 @@ def test_a_float_max_of_the_step_gives_the_eager_numbers():
 # torch.optim keeps each step count as a 0-dim tensor; compiled, AdamW computes its bias corrections
 # from it (``1 - beta ** step_t``) and Inductor evaluated that per vector: BERT-base AdamW fused took
 # 95 ms a step instead of 66 (one Adam pass of memory traffic) on a 2-core CPU.
-BIG = 1 << 18  # TENSOR_PROLOGUE_MIN_ELEMENTS: smaller kernels keep such math inline
+BIG = 1 << 18
 
 
 def adam_tensor_step(param, exp_avg, exp_avg_sq, grad, step_t):
@@ -136,7 +136,7 @@ def _tensors(n, seed=0):
 
 
 @pytest.mark.parametrize("n", [BIG, 1000])
-def test_step_tensor_math_is_hoisted_from_big_kernels_with_the_graphs_numbers(n):
+def test_step_tensor_math_is_hoisted_from_every_kernel(n):
     torch._dynamo.reset()  # static sizes: the other size's graph would make them dynamic
     spy = Spy()
     compiled = torch.compile(adam_tensor_step, backend=spy, fullgraph=True)
@@ -150,7 +150,7 @@ def test_step_tensor_math_is_hoisted_from_big_kernels_with_the_graphs_numbers(n)
         torch.testing.assert_close(p, p_ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-6)
     assert len(spy.graphs) == 1
-    assert bool(spy.hoisted()[0]) == (n >= BIG), spy.graphs
+    assert spy.hoisted()[0], spy.graphs
 
 
 def _written_between_reads(kind):
@@ -183,7 +183,9 @@ def test_a_step_tensor_written_between_two_reads_is_read_as_written(kind):
         compiled(p, step_t)
         fn(p_ref, step_ref)
         assert step_t.item() == step_ref.item()
-        torch.testing.assert_close(p, p_ref, rtol=1e-6, atol=0)
+        # (the prologue computes in double precision, this float32 reference in float32; a value read
+        # before its write is off by a factor of 2 or more)
+        torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("name", ["AdamW", "NAdam", "RAdam"])
