@@ -100,6 +100,53 @@ BLOCK_LOOPS = True
 AUTO_MIN_ELEMENTS = 1 << 20
 
 
+def _is_python_float(value) -> bool:
+    return isinstance(value, (float, torch.SymFloat))
+
+
+_WIDE_FLOATS = (torch.float32, torch.float64)
+_CLAMPS = {_T.clamp, _T.clamp_, torch.clamp, _T.clip, _T.clip_, torch.clip}
+_CLAMP_ONE_SIDE = {_T.clamp_min: "min", _T.clamp_min_: "min", torch.clamp_min: "min",
+                   _T.clamp_max: "max", _T.clamp_max_: "max", torch.clamp_max: "max"}
+
+
+def _float_scalars_as_operands(func, args, kwargs):
+    """A fill value or clamp bound that is a Python float, as a 0-dim tensor operand; the call's
+    result, or None where ``func`` is not such a call.
+
+    Why: a float in those places (pytorch-optimizer's AdaBound and AdaMod: ``torch.full((),
+    lr * ...)``, then ``clamp_(min=lower_bound, max=upper_bound)`` of the learning rate) is a
+    Scalar argument, which Inductor's tensorify pass cannot make an input. torch 2.13 and 2.14
+    then specialize it (a recompile per new rate: AdaBound's compiled step switched itself off);
+    2.6 - 2.12, where :func:`floats_used_directly` keeps the rate symbolic, compiled the value
+    it had when traced into the kernel, with no guard (AdaBound under LambdaLR on 2.11: 2e-1
+    from unfused, silently). A 0-dim tensor of the same dtype gives the same bits (aten rounds
+    a Scalar to the tensor's dtype too); float32 and float64 tensors only, where the bound is
+    compared in that dtype."""
+    if func is torch.full or func is torch.full_like:
+        kwargs = dict(kwargs)
+        fill = args[1] if len(args) == 2 else kwargs.pop("fill_value", None)
+        like = args[0] if func is torch.full_like and args and isinstance(args[0], _T) else None
+        dtype = kwargs.get("dtype") or (like.dtype if like is not None else torch.get_default_dtype())
+        if args and len(args) <= 2 and _is_python_float(fill) and "out" not in kwargs and dtype in _WIDE_FLOATS:
+            ones = torch.ones(args[0], **kwargs) if like is None else torch.ones_like(like, **kwargs)
+            return ones.mul(fill)
+        return None
+    if func is _T.fill_ and len(args) == 2 and not kwargs and _is_python_float(args[1]) \
+            and isinstance(args[0], _T) and args[0].dtype in _WIDE_FLOATS:
+        return args[0].fill_(_number_as_tensor(args[1], args[0]))
+    if (func in _CLAMPS or func in _CLAMP_ONE_SIDE) and args and isinstance(args[0], _T) \
+            and args[0].dtype in _WIDE_FLOATS and set(kwargs) <= {"min", "max"}:
+        names = ("min", "max") if func in _CLAMPS else (_CLAMP_ONE_SIDE[func],)
+        bounds = dict(zip(names, args[1:]), **kwargs)
+        if any(_is_python_float(b) for b in bounds.values()) and len(args) <= 1 + len(names):
+            bounds = {k: _number_as_tensor(b, args[0]) if is_python_number(b) else b for k, b in bounds.items()}
+            if func in _CLAMP_ONE_SIDE:
+                return func(args[0], bounds[names[0]])
+            return func(args[0], **bounds)
+    return None
+
+
 def _number_as_tensor(value, like: torch.Tensor) -> torch.Tensor:
     """``value`` (a Python number, symbolic in a compiled step) as a 0-dim tensor of ``like``'s dtype
     and device, made by a multiplication: the one use of a symbolic float that Inductor's tensorify
@@ -135,6 +182,9 @@ class ScalarsAsOperands(TorchFunctionMode):
             base, exponent = (args[1], args[0]) if func is _T.__rpow__ else args
             if is_python_number(base) and isinstance(exponent, _T):
                 return torch.pow(_number_as_tensor(base, exponent), exponent)
+        rewritten = _float_scalars_as_operands(func, args, kwargs)
+        if rewritten is not None:
+            return rewritten
         # ``_foreach_*`` calls too: a Python scalar there (``_foreach_mul_(params, 1 - lr * wd)``,
         # ``alpha=-lr``) is specialized, and was seen specialized with no guard (pytorch-optimizer's
         # Lamb under LambdaLR kept its first graph's rate). A foreach op is a loop over its lists:

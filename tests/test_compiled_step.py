@@ -60,6 +60,77 @@ def test_compiled_matches_eager_fused_and_unfused(name):
     assert report.compile_graphs <= 3
 
 
+class BoundedStepSGD(torch.optim.Optimizer):
+    """A step whose learning rate reaches a fill value and clamp bounds, written in each form torch
+    takes them (AdaBound's and AdaMod's pattern: ``torch.full((), lr * c)``, then ``clamp_(min=lower,
+    max=upper)`` of bounds computed from the rate)."""
+
+    FORMS = ("full", "full_like", "fill_", "clamp_ keywords", "clamp positional", "clamp_min_ clamp_max_")
+
+    def __init__(self, params, lr, form):
+        self.form = form
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr = group["lr"]
+            lower, upper = 0.5 * lr, 2.0 * lr
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                size = p.grad.abs().add(1.0)
+                if self.form == "full":
+                    size = torch.div(torch.full((), fill_value=lr, dtype=p.dtype), size)
+                elif self.form == "full_like":
+                    size = torch.full_like(size, lr) / size
+                elif self.form == "fill_":
+                    size = torch.empty_like(size).fill_(lr) / size
+                elif self.form == "clamp_ keywords":
+                    size = size.mul(lr).clamp_(min=lower, max=upper)
+                elif self.form == "clamp positional":
+                    size = torch.clamp(size.mul(lr), lower, upper)
+                else:
+                    size = size.mul(lr).clamp_min_(lower).clamp_max_(upper)
+                state = self.state[p]
+                if "update" not in state:  # (compiled steps start once every run has state)
+                    state["update"] = torch.zeros_like(p)
+                p.sub_(state["update"].mul_(0.5).add_(p.grad.sign() * size))
+
+
+@pytest.mark.parametrize("form", BoundedStepSGD.FORMS)
+def test_a_scheduled_rate_in_a_fill_value_or_clamp_bound_is_followed(form):
+    """A float that is a Scalar argument (a fill value, a clamp bound) cannot become a graph input
+    as one: torch 2.13 and 2.14 recompiled the step for each new rate (AdaBound's compiled step
+    switched itself off), and torch 2.11 compiled the rate it had when traced into the kernel, with
+    no guard (AdaBound under LambdaLR: 2e-1 from unfused, silently). They enter as 0-dim tensors."""
+    data = batches(8)
+    models = [TinyNet() for _ in range(2)]
+    plain = BoundedStepSGD(two_groups(models[0], lr=3e-3), lr=1e-2, form=form)
+    compiled = fuse_optimizer(BoundedStepSGD(two_groups(models[1], lr=3e-3), lr=1e-2, form=form), compile=True)
+    for model, opt in zip(models, (plain, compiled)):
+        _run(model, opt, data, O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)))
+    assert_same_params(models[0], models[1], rtol=2e-6, atol=1e-7)
+    report = fusion_report(compiled)
+    assert report.compiled and report.compile_disabled_reason is None, report
+    assert report.compile_graphs <= 2, report
+
+
+@pytest.mark.parametrize("name", ["AdaBound", "AdaMod"])
+def test_pytorch_optimizers_bounded_steps_compiled_follow_a_schedule(name):
+    """The real package's AdaBound and AdaMod (the optimizers that showed it) under LambdaLR."""
+    po = pytest.importorskip("pytorch_optimizer")
+    data = batches(10)
+    models = [TinyNet() for _ in range(2)]
+    plain = getattr(po, name)(two_groups(models[0], lr=3e-3), lr=1e-2)
+    compiled = fuse_optimizer(getattr(po, name)(two_groups(models[1], lr=3e-3), lr=1e-2), compile=True)
+    for model, opt in zip(models, (plain, compiled)):
+        _run(model, opt, data, O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)))
+    assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
+    report = fusion_report(compiled)
+    assert report.compiled and report.compile_graphs <= 2, report
+
+
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_compiled_radam_rectifies_as_eager_does(size):
     """RAdam rectifies its update from step 6 on (beta2 = 0.999), by a term of the length of the
