@@ -134,17 +134,24 @@ def _float_scalars_as_operands(func, args, kwargs):
         return None
     if func is _T.fill_ and len(args) == 2 and not kwargs and _is_python_float(args[1]) \
             and isinstance(args[0], _T) and args[0].dtype in _WIDE_FLOATS:
-        return args[0].fill_(_number_as_tensor(args[1], args[0]))
+        return args[0].fill_(_float_operand(args[1], args[0]))
     if (func in _CLAMPS or func in _CLAMP_ONE_SIDE) and args and isinstance(args[0], _T) \
             and args[0].dtype in _WIDE_FLOATS and set(kwargs) <= {"min", "max"}:
         names = ("min", "max") if func in _CLAMPS else (_CLAMP_ONE_SIDE[func],)
         bounds = dict(zip(names, args[1:]), **kwargs)
         if any(_is_python_float(b) for b in bounds.values()) and len(args) <= 1 + len(names):
-            bounds = {k: _number_as_tensor(b, args[0]) if is_python_number(b) else b for k, b in bounds.items()}
+            bounds = {k: _float_operand(b, args[0]) if is_python_number(b) else b for k, b in bounds.items()}
             if func in _CLAMP_ONE_SIDE:
                 return func(args[0], bounds[names[0]])
             return func(args[0], **bounds)
     return None
+
+
+def _float_operand(value, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 0-dim tensor of ``like``'s dtype and device, made by a multiplication (kept
+    symbolic, as :func:`_number_as_tensor`), without a method call on ``like``: a segmented step's
+    tensors are per-run stand-ins, which make no tensors of other shapes."""
+    return torch.ones((), dtype=like.dtype, device=like.device).mul(value)
 
 
 def _number_as_tensor(value, like: torch.Tensor) -> torch.Tensor:
@@ -312,37 +319,33 @@ def _float_hyperparameters(optimizer) -> tuple:
     return tuple(found)
 
 
-# Param-group floats a compiled step has been tested to follow when they change between steps (a
-# schedule): the learning rate everywhere; beta1 (OneCycleLR cycles it) and the weight decay in
-# torch's Adam family.
-_FOLLOWED_EVERYWHERE = frozenset({"lr"})
-_ADAM_FAMILY = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW", "torch.optim.adamax.Adamax", "torch.optim.nadam.NAdam")
-_FOLLOWED_BY_CLASS = {"betas": _ADAM_FAMILY, "weight_decay": _ADAM_FAMILY}
-
-
-def _followed_when_changed(optimizer, key: str) -> bool:
-    if key in _FOLLOWED_EVERYWHERE:
-        return True
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}" in _FOLLOWED_BY_CLASS.get(key, ())
+# The param-group floats schedules change between steps, which compiled steps follow: the learning
+# rate (every scheduler), momentum and betas (OneCycleLR and CyclicLR cycle them with the rate) and
+# the weight decay (weight-decay schedules). Tested on every optimizer of pytorch-optimizer under
+# OneCycleLR's momentum cycle (tests/_optimizer_sweep.py, torch 2.11, 2.13 and 2.14.1) and on torch's
+# and this package's optimizers (tests/test_compiled_step.py). Any other float that changes (a
+# hand-set ``eps``) switches the compiled step off: untested uses of it may be compiled as constants.
+FOLLOWED_WHEN_CHANGED = frozenset({"lr", "momentum", "betas", "weight_decay"})
 
 
 def _changed_hyperparameter(optimizer, seen: Dict[tuple, float]) -> Optional[str]:
-    """The first param-group float (``lr``, ``betas[0]``...) that changed since the last call and
-    that compiled steps are not known to follow, described; None if none. Records the values (up
-    to that one: the compiled step is off from then on).
+    """The first param-group float outside :data:`FOLLOWED_WHEN_CHANGED` (an ``eps``) that changed
+    since the last call, described; None if none. Records the values (up to that one: the compiled
+    step is off from then on).
 
-    Why: once such a float changes, Dynamo makes it a graph input, and Inductor has compiled some
-    uses of it as the value it had when traced (a base of ``pow``, ``1 - beta1`` where its tensorify
-    pass specializes it): pytorch-optimizer's AdaBelief and Adan under OneCycleLR's momentum cycle
-    drifted 1-2e-2 from unfused, LARS 6e-5, silently. The eager fused step is exact."""
+    Why: once such a float changes, Dynamo makes it a graph input, and Inductor has compiled uses
+    of such inputs as the value they had when traced, with no guard: a base of ``pow``, a ``lerp``
+    weight, a fill value or a clamp bound (pytorch-optimizer's AdaBelief and Adan under OneCycleLR's
+    momentum cycle drifted 1-2e-2 from unfused, silently; AdaBound under LambdaLR on torch 2.11,
+    2e-1). :class:`ScalarsAsOperands` passes those as tensors, and the floats schedules change are
+    tested; another float's uses are not. The eager fused step is exact."""
     groups = optimizer.param_groups
     for i, key, index in _float_hyperparameters(optimizer):
         group = groups[i]  # keyed by the group itself: per-tensor steps show one group at a time
         value = group[key] if index is None else group[key][index]
         where = (id(group), key, index)
         before, seen[where] = seen.get(where), value
-        if before is not None and before != value and not _followed_when_changed(optimizer, key):
+        if before is not None and before != value and key not in FOLLOWED_WHEN_CHANGED:
             name = key if index is None else f"{key}[{index}]"
             return f"its param group's {name!r} changed from {before!r} to {value!r}"
     return None
@@ -501,8 +504,8 @@ class CompiledStep:
     def _run_compiled(self, optimizer, raw_step, mode) -> bool:
         changed = _changed_hyperparameter(optimizer, self._hyperparameters)
         if changed is not None:
-            self._disable(f"{changed}, and compiled steps are known to follow only a changing learning rate "
-                          "(and torch's Adam family's betas and weight decay) exactly")
+            self._disable(f"{changed}, and compiled steps are known to follow only the floats schedules "
+                          "change (lr, momentum, betas, weight_decay) exactly")
             return False
         graphs_before = self.graphs
         # Python ints (step counts) are symbols in the first graph: Dynamo would make a graph with

@@ -6,11 +6,11 @@ and the counts of each outcome::
 
     python tests/_optimizer_sweep.py [NAME ...]
     python tests/_optimizer_sweep.py --collection torch_optimizer [NAME ...]
-    python tests/_optimizer_sweep.py --compiled [NAME ...]   # compile=True, under a LambdaLR schedule
+    python tests/_optimizer_sweep.py --compiled [NAME ...]   # compile=True, under OneCycleLR
 
-``--compiled`` fuses with ``compile=True`` and steps a ``LambdaLR`` schedule after every step (both
-runs): a compiled step that kept an old learning rate shows as a mismatch; the detail says whether
-the last step ran compiled, and why not.
+``--compiled`` fuses with ``compile=True`` and steps a ``OneCycleLR`` schedule, which cycles momentum
+or beta1 too, after every step (both runs): a compiled step that kept an old learning rate or
+momentum shows as a mismatch; the detail says whether the last step ran compiled, and why not.
 
 The model has 1-D, 2-D, 3-D and ``(1,)``-shaped parameters, one parameter that never gets a
 gradient, and two param groups; the loop zeroes gradients with ``set_to_none=True``.
@@ -76,9 +76,19 @@ def _data():
 
 
 def _schedule(opt, compiled: bool):
-    if compiled and all("lr" in group for group in opt.param_groups):
+    """Compiled: OneCycleLR up to each group's own rate, which also cycles momentum or beta1 with it
+    where the optimizer has one (a step that kept an old value of either shows as a mismatch); not
+    AggMo's several betas (its state is keyed by their values); LambdaLR where OneCycleLR does not
+    take the optimizer's groups."""
+    if not compiled or not all("lr" in group for group in opt.param_groups):
+        return None
+    betas = opt.defaults.get("betas")
+    cycles = "momentum" in opt.defaults or (isinstance(betas, (tuple, list)) and len(betas) == 2)
+    try:
+        return torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=[group["lr"] for group in opt.param_groups], total_steps=STEPS + 1, cycle_momentum=cycles)
+    except (ValueError, KeyError, TypeError):  # (a momentum or betas it cannot cycle)
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    return None
 
 
 def _train(model, opt, data, step, scheduler=None, with_closure=True, loss_closure=False, create_graph=False):
