@@ -160,30 +160,13 @@ def test_compiled_radam_rectifies_as_eager_does(size):
     assert fusion_report(compiled).compiled
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam-amsgrad", "Adamax", "NAdam"])
-def test_compiled_step_follows_betas_that_change_with_the_learning_rate(name):
-    """OneCycleLR (``cycle_momentum=True``, its default) changes beta1 with the learning rate on
-    every step. Compiled, the step once kept the first beta1 it made symbolic in its bias
-    correction ``1 - beta1 ** step``: Inductor compiled the base of ``pow(float, tensor)`` as a
-    constant, with no guard (2e-2 from unfused after 8 AdamW steps, silently)."""
-    cls, kwargs = CASES[name]
-    data = batches(10)
-    models = [TinyNet() for _ in range(2)]
-    plain = cls(two_groups(models[0], lr=3e-3), **kwargs)
-    compiled = fuse_optimizer(cls(two_groups(models[1], lr=3e-3), **kwargs), compile=True)
-    for model, opt in zip(models, (plain, compiled)):
-        _run(model, opt, data, O.lr_scheduler.OneCycleLR(opt, max_lr=[2e-2, 6e-3], total_steps=len(data)))
-    assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
-    report = fusion_report(compiled)
-    assert report.compiled and report.compile_disabled_reason is None
-
-
 def _momentum_cases():
-    cases = {"SGD-nesterov": (O.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    cases = {name: CASES[name] for name in ("AdamW", "Adam-amsgrad", "Adamax", "NAdam")}
+    cases.update({"SGD-nesterov": (O.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
              "RMSprop-momentum": (O.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True, weight_decay=1e-3)),
              "RAdam": (O.RAdam, dict(lr=1e-2, weight_decay=0.1)),
              "BertAdam": (BertAdam, dict(lr=1e-2, weight_decay=0.1)),
-             "LAMB": (Lamb, dict(lr=1e-2, weight_decay=0.01))}
+             "LAMB": (Lamb, dict(lr=1e-2, weight_decay=0.01))})
     try:
         import pytorch_optimizer as po
     except ImportError:
@@ -201,8 +184,10 @@ MOMENTUM_CASES = _momentum_cases()
 def test_compiled_steps_follow_momentum_and_weight_decay_schedules(name):
     """OneCycleLR cycles momentum (or beta1) with the learning rate on every step, and the weight
     decay here decays by a tenth a step: compiled, every such step matches unfused, on 2 graphs.
-    pytorch-optimizer's AdaBelief and Adan once drifted 1-2e-2 this way (a ``lerp`` weight compiled as
-    the value it had when traced), so a changing beta1 switched compiled steps off everywhere but in
+    Compiled AdamW once kept the first beta1 it made symbolic in its bias correction ``1 - beta1 **
+    step`` (Inductor compiled the base of ``pow(float, tensor)`` as a constant, with no guard: 2e-2
+    from unfused after 8 steps, silently), and pytorch-optimizer's AdaBelief and Adan drifted 1-2e-2
+    through a ``lerp`` weight, so a changing beta1 switched compiled steps off everywhere but in
     torch's Adam family; each use that drifted now enters the graph as a tensor."""
     cls, kwargs = MOMENTUM_CASES[name]
     data = batches(10)
