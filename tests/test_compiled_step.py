@@ -33,13 +33,17 @@ CASES = {
 }
 
 
-def _run(model, optimizer, data, scheduler=None):
-    for x, y in data:
+def _run(model, optimizer, data, scheduler=None, after_step=None):
+    """``after_step(i)``, if given, runs after step ``i`` (and the scheduler's step): a setting
+    changed there is what step ``i + 1`` sees."""
+    for i, (x, y) in enumerate(data):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.fuse_step() if hasattr(optimizer, "fuse_step") else optimizer.step()
         if scheduler is not None:
             scheduler.step()
+        if after_step is not None:
+            after_step(i)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -198,13 +202,12 @@ def test_compiled_steps_follow_momentum_and_weight_decay_schedules(name):
         cycles = "momentum" in opt.defaults or "betas" in opt.defaults
         schedule = O.lr_scheduler.OneCycleLR(opt, max_lr=[2 * g["lr"] for g in opt.param_groups],
                                              total_steps=len(data) + 1, cycle_momentum=cycles)
-        for x, y in data:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.fuse_step() if hasattr(opt, "fuse_step") else opt.step()
-            schedule.step()
-            for group in opt.param_groups:
+
+        def decay_weight_decay(_, groups=opt.param_groups):
+            for group in groups:
                 group["weight_decay"] *= 0.9
+
+        _run(model, opt, data, schedule, after_step=decay_weight_decay)
     assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
     report = fusion_report(compiled)
     assert report.compiled and report.compile_disabled_reason is None, report
@@ -221,13 +224,12 @@ def test_a_changing_float_compiled_steps_do_not_follow_turns_them_off():
     compiled = fuse_optimizer(O.AdamW(two_groups(models[1], lr=3e-3), lr=1e-2), compile=True)
     with pytest.warns(CompileFallbackWarning, match=r"'eps' changed") as caught:
         for model, opt in zip(models, (plain, compiled)):
-            for i, (x, y) in enumerate(data):
-                if i == 3:
-                    for group in opt.param_groups:
+            def set_eps_after_three_steps(i, groups=opt.param_groups):
+                if i == 2:
+                    for group in groups:
                         group["eps"] = 1e-6
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.fuse_step() if hasattr(opt, "fuse_step") else opt.step()
+
+            _run(model, opt, data, after_step=set_eps_after_three_steps)
     assert len([w for w in caught if issubclass(w.category, CompileFallbackWarning)]) == 1
     assert_same_params(models[0], models[1], rtol=2e-5, atol=1e-6)
     assert "'eps' changed" in fusion_report(compiled).compile_disabled_reason
