@@ -242,8 +242,69 @@ def _compute_dtype(user: torch.fx.Node) -> torch.dtype:
     return torch.float64 if value is not None and value.dtype == torch.float64 else torch.float32
 
 
+_COMPARISONS = {operator.gt, operator.lt, operator.ge, operator.le, torch.gt, torch.lt, torch.ge, torch.le,
+                "gt", "lt", "ge", "le"}
+
+
+def _zero_dim_float32_on_device(node) -> bool:
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float32 \
+        and value.device.type != "cpu" and not value.requires_grad
+
+
+def _device_step_math_in_double(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` (a copy, where anything changes) with 0-dim float32 math on GPU tensors done in float64.
+
+    Why: Dynamo moves torch.optim's step counts to the parameters' GPU to trace a step (its
+    ``capturable`` formulation), so the step-count math that eager torch.optim does in Python
+    doubles is float32 0-dim tensor math inside the graph, which the prologue (CPU only: a GPU
+    kernel reads a scalar per thread at no memory cost) does not replay. Where it cancels it is
+    far from eager: RAdam's rectification, and its parameters 1.6e-6 of their largest value off
+    unfused after 12 steps on an H200 (the CPU fix of :func:`_in_double`). Here each 0-dim float32
+    value such math reads (a step count, a ``new_ones``) is read as float64, the pure math that
+    follows is float64 by type promotion, and its result is rounded to float32 once, where
+    anything else (a kernel over a buffer, a state write, the graph's outputs) reads it; a
+    comparison reads the double. The values kernels read are eager's; no launch is added (the
+    scalar math is a few more instructions per GPU thread). Left as it is where such a value is
+    written in place or viewed."""
+    pure, sources = [], set()
+    for node in gm.graph.nodes:
+        if (node.op in ("call_function", "call_method") and node.target in _TENSOR_PURE and not node.kwargs
+                and _zero_dim_float32_on_device(node)
+                and all(_zero_dim_float32_on_device(a) or not isinstance(a.meta.get("example_value"), torch.Tensor)
+                        for a in node.all_input_nodes)):
+            pure.append(node)
+    if not pure:
+        return gm
+    promoted = set(pure)
+    for node in pure:
+        for user in node.users:
+            first = user.args[0] if user.args else None
+            if user not in promoted and first is node and (_name(user.target).endswith("_") or _name(user.target) in _VIEWS):
+                return gm  # written in place or viewed: its uses are not followed
+        sources.update(a for a in node.all_input_nodes if a not in promoted and _zero_dim_float32_on_device(a))
+    gm, mapping = _copy(gm, [*pure, *sources])
+    graph = gm.graph
+    new_pure = set(mapping[:len(pure)])
+    for source in mapping[len(pure):]:
+        for user in [u for u in source.users if u in new_pure]:
+            with graph.inserting_before(user):
+                as_double = graph.call_method("to", (source, torch.float64))
+            user.replace_input_with(source, as_double)
+    for node in new_pure:
+        for user in [u for u in node.users if u not in new_pure and u.target not in _COMPARISONS]:
+            with graph.inserting_before(user):
+                rounded = graph.call_method("to", (node, torch.float32))
+            user.replace_input_with(node, rounded)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
 def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, example_inputs: List) -> Callable:
-    """``compile_graph(gm, example_inputs)`` with expensive scalar expressions moved to a Python prologue."""
+    """``compile_graph(gm, example_inputs)`` with expensive scalar expressions moved to a Python
+    prologue (CPU kernels), and GPU step-count math in double precision."""
+    gm = _device_step_math_in_double(gm)
     chosen, prologue = _hoistable(gm)
     if not chosen:
         return compile_graph(gm, example_inputs)
