@@ -389,9 +389,19 @@ def _floats_written(before: Dict[tuple, float], after: Dict[tuple, float]) -> li
                    if before.get((where, ident, key)) is not value})
 
 
+def _step_device(groups) -> Optional[torch.device]:
+    """The device of the step's first parameter (None: no tensor)."""
+    for group in groups:
+        for p in group["params"]:
+            if isinstance(p, torch.Tensor):
+                return p.device
+    return None
+
+
 def _step_with_scalars_as_operands(optimizer, raw_step, mode=None, floats=()):
     groups = optimizer.param_groups
-    kept = floats_used_directly([groups[i][k] if j is None else groups[i][k][j] for i, k, j in floats])
+    kept = floats_used_directly([groups[i][k] if j is None else groups[i][k][j] for i, k, j in floats],
+                                device=_step_device(groups))
     if mode is None:
         with ScalarsAsOperands():
             raw_step(optimizer)

@@ -144,7 +144,7 @@ def floats_need_a_direct_use() -> bool:
     return _TENSORIFY_MISSES_FLOATS_IN_EXPRESSIONS
 
 
-def floats_used_directly(values) -> "torch.Tensor | None":
+def floats_used_directly(values, device=None) -> "torch.Tensor | None":
     """Called inside a compiled step with the step's float hyper-parameters (``lr``, ``betas``...):
     on torch 2.6 - 2.12, a 0-dim tensor that uses each of them directly (the step returns it, so it
     stays in the graph); elsewhere None, doing nothing.
@@ -156,10 +156,15 @@ def floats_used_directly(values) -> "torch.Tensor | None":
     restart that follows: every new learning rate compiles a new graph and the compiled step
     switches itself off. One direct use (``0 * lr``, a few scalar flops per step) marks the float
     as tensorified; the expressions are tensorified as before.
+
+    The tensor is made on ``device``, the step's: a CPU one in a GPU step's graph is a C++ kernel,
+    and its first compile in a process builds Inductor's whole CPU toolchain (checks of the
+    host's vector instructions, a precompiled header, a dozen compiler runs: about 30 s of a
+    45-70 s first compiled step on an H200 with torch 2.11).
     """
     if not _TENSORIFY_MISSES_FLOATS_IN_EXPRESSIONS or not values:
         return None
-    anchor = torch.zeros(())
+    anchor = torch.zeros((), device=device)
     for value in values:
         anchor = torch.mul(anchor, value)
     return anchor
