@@ -17,8 +17,10 @@
 #            201 tiny tensors), then the step benchmark's host rows on BERT-base; ~7.5 min
 #   recheck: after CPU-side changes (~9 min): the FSDP2 step with new gradients each step (NCCL, one rank),
 #            the step benchmark's fused rows beside torch's fused AdamW and the traffic floors on BERT-base,
-#            fp32, then the uint8 codec. Run tests-cuda in a call of its own first: on a machine's cold
-#            caches each compiled optimizer's first compile takes 45-60 s there (H200, torch 2.11)
+#            fp32, then the uint8 codec. Run tests-cuda in a call of its own first (all of it took
+#            180 s on an H200, 2026-11-29)
+#   first-steps: a fused compiled step's build and first steps in fresh processes, cold caches
+#            (benchmarks/bench_first_steps.py --device cuda; LAMB: 14 s on an H200, torch 2.11)
 #   recipe: Bagua's BERT-base table (python -m recipes.bert_benchmark --preset bert-base), fp32 then bf16,
 #           on RECIPE_EPOCHS of an epoch (default 0.05: ~105 updates a row, epoch time extrapolated)
 #
@@ -183,9 +185,11 @@ case "${1:-}" in
                 --preset bert-base --epochs "${RECIPE_EPOCHS:-0.05}" --precision $precision --no-progress \
                 --out-dir "$OUT/recipe_$precision"
         done ;;
+    first-steps) environment
+        run_logged "$PART_BUDGET" "$OUT/first_steps.log" $PY benchmarks/bench_first_steps.py --device cuda ;;
     recheck) environment; fsdp2 200; bench fp32 $(($(left) - 40)) "$RECHECK_ROWS"; codec "$(left)" ;;
     lent) environment; bench fp32 270 "$LENT_ROWS"; codec 70; fsdp2 120; bench bf16 "$(left)" "$LENT_BF16_ROWS" ;;
-    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|recheck|host|profile|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2|fsdp2-offload|fsdp2-all}" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_checklist.sh {tests|bench|lent|recheck|first-steps|host|profile|recipe|tests-cuda|tests-suite|bench-fp32|bench-bf16|codec|fsdp2|fsdp2-offload|fsdp2-all}" >&2; exit 2 ;;
 esac
 echo "# part '${1}' done in $((SECONDS - START)) s, status $STATUS; logs in $OUT"
 exit $STATUS
