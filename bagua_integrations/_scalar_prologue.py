@@ -47,6 +47,7 @@ __all__ = ["with_scalar_prologue"]
 # scalar math that is expensive per element
 _TRANSCENDENTAL = {operator.pow, math.pow, math.exp, math.log, math.sqrt, math.sin, math.cos, math.tanh, math.log1p,
                    math.expm1}
+_TRANSCENDENTAL |= {f for f in (getattr(torch, "_sym_sqrt", None),) if f is not None}  # (Dynamo's math.sqrt of a symbol)
 # pure scalar arithmetic a prologue may replay
 _PURE = _TRANSCENDENTAL | {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.floordiv,
                            operator.mod, abs, float, int, min, max, torch.sym_float, torch.sym_max, torch.sym_min}
@@ -86,11 +87,22 @@ _TENSOR_PURE = _TENSOR_TRANSCENDENTAL | {
 # writing it (the compiled graph still does), and later reads of the tensor see that value
 _TENSOR_IN_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
                     operator.itruediv: operator.truediv, "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
-def _users_feeding_cpu_tensor_ops(node: torch.fx.Node) -> List[torch.fx.Node]:
-    # CPU only: a GPU kernel evaluates such a scalar per thread at no memory cost, and a prologue
-    # there would add a host-to-device copy per value (unmeasured on GPUs so far)
+def _tensor_result(node: torch.fx.Node, zero_dim: bool) -> Optional[torch.Tensor]:
+    value = node.meta.get("example_value")
+    return value if isinstance(value, torch.Tensor) and (zero_dim or value.dim() > 0) else None
+
+
+# node.meta key: a hoisted scalar that replaces the Python scalar in 0-dim tensor operations too
+_INTO_ZERO_DIM = "bagua_hoisted_into_zero_dim_ops"
+
+
+def _users_feeding_cpu_tensor_ops(node: torch.fx.Node, zero_dim: bool = False) -> List[torch.fx.Node]:
+    """The tensor operations over CPU tensors (``zero_dim``: 0-dim ones too) that read ``node``.
+
+    CPU only: a GPU kernel evaluates such a scalar per thread at no memory cost, and a prologue
+    there would add a host-to-device copy per value (unmeasured on GPUs so far)."""
     return [user for user in node.users if user.op in ("call_function", "call_method")
-            and (big := _big_tensor(user)) is not None and big.device.type == "cpu"]
+            and (value := _tensor_result(user, zero_dim)) is not None and value.device.type == "cpu"]
 
 
 _VIEWS = {"view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "squeeze", "unsqueeze", "flatten",
@@ -148,6 +160,7 @@ def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.
     env: Dict[torch.fx.Node, Optional[torch.fx.Node]] = {}  # node -> its value in the prologue (None: not replayable)
     root: Dict[torch.fx.Node, torch.fx.Node] = {}  # an in-place call's result -> the tensor it updated
     expensive: Dict[torch.fx.Node, bool] = {}
+    truncated: Dict[torch.fx.Node, bool] = {}  # a float min/max that C++ kernels would truncate, or of one
     tensors, written = set(), set()  # 0-dim tensor nodes; those written (or viewed) somewhere
 
     def value_of(arg):
@@ -176,8 +189,10 @@ def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.
         env[node] = None
         if node.op == "call_function" and target in _PURE and _is_symbolic_scalar(node) and replayable(node):
             env[node] = prologue.node_copy(node, value_of)
-            expensive[node] = (target in _TRANSCENDENTAL or any(expensive.get(a, False) for a in inputs)
-                               or (truncating_min_max and target in _MIN_MAX and _is_float_scalar(node)))
+            truncated[node] = (truncating_min_max and target in _MIN_MAX and _is_float_scalar(node)) or any(
+                truncated.get(a, False) for a in inputs)
+            expensive[node] = target in _TRANSCENDENTAL or any(expensive.get(a, False) for a in inputs) \
+                or truncated[node]
             continue
         if is_call and _zero_dim_cpu(node) and target in _TENSOR_PURE and not node.kwargs and replayable(node):
             env[node] = prologue.create_node(node.op, target, tuple(map(value_of, node.args)))
@@ -212,8 +227,9 @@ def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.
             continue
         if node in tensors:
             hoist = feeds[node] and any(env.get(user) is None for user in node.users)
-        else:
-            hoist = bool(_users_feeding_cpu_tensor_ops(node))
+        else:  # (a truncated min/max is wrong in any C++ kernel: 0-dim tensor math reads the hoisted value too)
+            hoist = bool(_users_feeding_cpu_tensor_ops(node, zero_dim=truncated.get(node, False)))
+            node.meta[_INTO_ZERO_DIM] = truncated.get(node, False)
         if hoist:
             chosen.append(node)
             outputs.append(env[node])
@@ -237,9 +253,8 @@ def _copy(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]):
     return copy, [mapping[n] for n in nodes]
 
 
-def _compute_dtype(user: torch.fx.Node) -> torch.dtype:
-    value = _big_tensor(user)
-    return torch.float64 if value is not None and value.dtype == torch.float64 else torch.float32
+def _compute_dtype(value: torch.Tensor) -> torch.dtype:
+    return torch.float64 if value.dtype == torch.float64 else torch.float32
 
 
 _COMPARISONS = {operator.gt, operator.lt, operator.ge, operator.le, torch.gt, torch.lt, torch.ge, torch.le,
@@ -323,8 +338,10 @@ def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, exam
         if zero_dim is not None:  # every read of it takes the hoisted value (same dtype: promotion unchanged)
             uses, dtype, device = list(node.users), zero_dim.dtype, zero_dim.device
         else:  # a Python scalar becomes a tensor of the compute type, where tensor operations read it
-            uses = _users_feeding_cpu_tensor_ops(node)
-            dtype, device = _compute_dtype(uses[0]), _big_tensor(uses[0]).device
+            zero_dim_uses = node.meta.get(_INTO_ZERO_DIM, False)
+            uses = _users_feeding_cpu_tensor_ops(node, zero_dim=zero_dim_uses)
+            first = _tensor_result(uses[0], zero_dim_uses)
+            dtype, device = _compute_dtype(first), first.device
         dtypes.append(dtype)
         example = torch.zeros((), dtype=dtype, device=device)
         if fake_mode is not None:
