@@ -264,7 +264,7 @@ _COMPARISONS = {operator.gt, operator.lt, operator.ge, operator.le, torch.gt, to
 def _zero_dim_float32_on_device(node) -> bool:
     value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
     return isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float32 \
-        and value.device.type != "cpu" and not value.requires_grad
+        and value.device.type == "cuda" and not value.requires_grad  # (MPS has no float64)
 
 
 def _device_step_math_in_double(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
