@@ -27,7 +27,11 @@ graph's order, replays a known in-place update out of place, and replays nothing
 tensor written or viewed otherwise.
 
 Torch before 2.13 also gets a ``min``/``max`` of floats hoisted, for correctness: its C++
-kernels evaluate them in int64 (``_torch_compat.cpu_kernels_truncate_float_min_max``).
+kernels evaluate them in int64 (``_torch_compat.cpu_kernels_truncate_float_min_max``), also
+where only 0-dim tensor math reads it (pytorch-optimizer's AdaFactor scales its 0-dim rate by one).
+
+GPU steps get no prologue; their 0-dim step-count math is done in double precision inside the
+graph instead (:func:`_device_step_math_in_double`).
 """
 
 from __future__ import annotations
