@@ -44,14 +44,13 @@ import torch
 import torch.fx
 
 from ._torch_compat import (cpu_kernels_truncate_float_min_max, inductor_reads_thresholds_raised,
-                            mark_placeholder_without_source)
+                            mark_placeholder_without_source, symbolic_sqrt_functions)
 
 __all__ = ["with_scalar_prologue"]
 
 # scalar math that is expensive per element
 _TRANSCENDENTAL = {operator.pow, math.pow, math.exp, math.log, math.sqrt, math.sin, math.cos, math.tanh, math.log1p,
-                   math.expm1}
-_TRANSCENDENTAL |= {f for f in (getattr(torch, "_sym_sqrt", None),) if f is not None}  # (Dynamo's math.sqrt of a symbol)
+                   math.expm1, *symbolic_sqrt_functions()}
 # pure scalar arithmetic a prologue may replay
 _PURE = _TRANSCENDENTAL | {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.floordiv,
                            operator.mod, abs, float, int, min, max, torch.sym_float, torch.sym_max, torch.sym_min}
@@ -61,11 +60,6 @@ _MIN_MAX = {min, max, torch.sym_max, torch.sym_min}
 
 def _is_symbolic_scalar(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("example_value"), (torch.SymFloat, torch.SymInt, float, int))
-
-
-def _big_tensor(node: torch.fx.Node) -> Optional[torch.Tensor]:
-    value = node.meta.get("example_value")
-    return value if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
 
 def _is_float_scalar(node: torch.fx.Node) -> bool:
@@ -233,7 +227,8 @@ def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.
             hoist = feeds[node] and any(env.get(user) is None for user in node.users)
         else:  # (a truncated min/max is wrong in any C++ kernel: 0-dim tensor math reads the hoisted value too)
             hoist = bool(_users_feeding_cpu_tensor_ops(node, zero_dim=truncated.get(node, False)))
-            node.meta[_INTO_ZERO_DIM] = truncated.get(node, False)
+            if hoist:
+                node.meta[_INTO_ZERO_DIM] = truncated.get(node, False)
         if hoist:
             chosen.append(node)
             outputs.append(env[node])
@@ -297,10 +292,8 @@ def _device_step_math_in_double(gm: torch.fx.GraphModule) -> torch.fx.GraphModul
         return gm
     promoted = set(pure)
     for node in pure:
-        for user in node.users:
-            first = user.args[0] if user.args else None
-            if user not in promoted and first is node and (_name(user.target).endswith("_") or _name(user.target) in _VIEWS):
-                return gm  # written in place or viewed: its uses are not followed
+        if any(user not in promoted and node in _written_or_aliased(user) for user in node.users):
+            return gm  # written in place or viewed: its uses are not followed
         sources.update(a for a in node.all_input_nodes if a not in promoted and _zero_dim_float32_on_device(a))
     gm, mapping = _copy(gm, [*pure, *sources])
     graph = gm.graph

@@ -45,6 +45,7 @@ __all__ = [
     "inductor_with_post_grad_pass",
     "block_loops_pass",
     "cpu_kernels_truncate_float_min_max",
+    "symbolic_sqrt_functions",
     "mark_placeholder_without_source",
     "compiled_kernels_may_fuse_multiply_add",
     "dynamo_recompile_limit",
@@ -382,6 +383,17 @@ def cpu_kernels_truncate_float_min_max() -> bool:
     2.6.0 and 2.11.0). Where True, ``_scalar_prologue`` computes such scalars in Python instead.
     """
     return _RELEASE < "2.13"
+
+
+def symbolic_sqrt_functions() -> frozenset:
+    """The functions Dynamo records for ``math.sqrt`` of a symbolic number, besides ``math.sqrt``.
+
+    Private: ``torch._sym_sqrt``, which Dynamo's graphs call for ``math.sqrt(step)`` of a dynamic
+    step count (pytorch-optimizer's AdaFactor: ``min(1e-2, 1 / math.sqrt(step))``).
+    ``_scalar_prologue`` replays it like ``math.sqrt``. Empty where it does not exist.
+    """
+    sym_sqrt = getattr(torch, "_sym_sqrt", None)
+    return frozenset() if sym_sqrt is None else frozenset({sym_sqrt})
 
 
 def dynamo_recompile_limit(limit: int, graphs: Optional[int] = None):

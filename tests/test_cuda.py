@@ -71,7 +71,8 @@ def backward_with_seeded_grads(params, step: int) -> None:
     loss.backward()
 
 
-def train_pair(plain_params, plain, fused_params, fused, steps, schedulers=()):
+def train_pair(plain_params, plain, fused_params, fused, steps, schedulers=(), after_step=None):
+    """``after_step(optimizer)``, if given, runs for each optimizer after each step and the schedulers'."""
     for step in range(steps):
         for params, opt, take_step in ((plain_params, plain, plain.step), (fused_params, fused, fused.fuse_step)):
             opt.zero_grad(set_to_none=True)
@@ -79,6 +80,9 @@ def train_pair(plain_params, plain, fused_params, fused, steps, schedulers=()):
             take_step()
         for scheduler in schedulers:
             scheduler.step()
+        if after_step is not None:
+            for opt in (plain, fused):
+                after_step(opt)
 
 
 # --------------------------------------------------------------------------- a. eager fused vs unfused
@@ -251,22 +255,20 @@ def test_compiled_step_follows_schedules_over_rectified_steps(name):
     plain = cls(param_groups(a, lr=kwargs["lr"] / 3), **kwargs)
     fused = fuse_optimizer(cls(param_groups(b, lr=kwargs["lr"] / 3), **kwargs), compile=True)
     steps = 12
-    for step in range(steps):
-        for params, opt, take_step in ((a, plain, plain.step), (b, fused, fused.fuse_step)):
-            if step == 0 and schedule == "one-cycle":
-                cycles = "momentum" in opt.defaults or "betas" in opt.defaults
-                opt.scheduler = O.lr_scheduler.OneCycleLR(opt, max_lr=[2 * g["lr"] for g in opt.param_groups],
-                                                          total_steps=steps + 1, cycle_momentum=cycles)
-            elif step == 0 and schedule == "lambda":
-                opt.scheduler = O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-            opt.zero_grad(set_to_none=True)
-            backward_with_seeded_grads(params, step)
-            take_step()
-            if schedule != "constant":
-                opt.scheduler.step()
-            if schedule == "one-cycle":
-                for group in opt.param_groups:
-                    group["weight_decay"] *= 0.9
+
+    def scheduler(opt):
+        if schedule == "lambda":
+            return O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        cycles = "momentum" in opt.defaults or "betas" in opt.defaults
+        return O.lr_scheduler.OneCycleLR(opt, max_lr=[2 * g["lr"] for g in opt.param_groups],
+                                         total_steps=steps + 1, cycle_momentum=cycles)
+
+    def decay_weight_decay(opt):
+        for group in opt.param_groups:
+            group["weight_decay"] *= 0.9
+
+    schedulers = [] if schedule == "constant" else [scheduler(plain), scheduler(fused)]
+    train_pair(a, plain, b, fused, steps, schedulers, decay_weight_decay if schedule == "one-cycle" else None)
     report = fusion_report(fused)
     assert report.compiled and report.compile_disabled_reason is None, report
     assert report.compile_graphs <= 3 and report.unfused_params == 0, report

@@ -120,19 +120,13 @@ def test_pytorch_optimizers_adafactor_with_a_3d_weight_equals_the_unfused_step()
     fused, plain = _fused(po.AdaFactor(ours, lr=1e-2)), po.AdaFactor(reference, lr=1e-2)
     for step in range(STEPS):
         for params in (ours, reference):
-            _grads_of(params, step)
+            _grads(params, step)
         fused.fuse_step()
         plain.step()
     report = fusion_report(fused)
     assert report.compiled and report.compile_disabled_reason is None, report
     # (its momentum is bfloat16: compiled rounding shows as ~1e-5 here)
     assert _max_relative(ours, reference) < 5e-5
-
-
-def _grads_of(params, step):
-    gen = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
 
 
 def test_group_and_optimizer_level_bookkeeping_is_applied_once_per_step():

@@ -8,6 +8,8 @@ the fix starts in that one module.
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 import types
 import warnings
 
@@ -164,6 +166,27 @@ def test_the_direct_use_is_made_on_the_steps_device():
     kept = compat.floats_used_directly([0.5, 0.25], device="meta")
     assert kept.device.type == "meta" and kept.dim() == 0
     assert compat.floats_used_directly([0.5]).device.type == "cpu"
+
+
+# ------------------------------------------------------------------------------ symbolic_sqrt_functions
+def test_symbolic_sqrt_functions_are_what_dynamo_records_for_math_sqrt(private_api):
+    """``math.sqrt`` of a dynamic int is recorded as one of them (the prologue replays it: AdaFactor's
+    ``1 / math.sqrt(step)``)."""
+    name = "symbolic_sqrt_functions"
+    if compat.compiled_steps_unsupported():
+        pytest.skip(compat.compiled_steps_unsupported())
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(lambda x, n: x * math.sqrt(n), backend=backend, dynamic=True, fullgraph=True)
+    with private_api(name):
+        torch.testing.assert_close(compiled(torch.ones(3), 9), torch.full((3,), 3.0))
+        recorded = {t for t in targets if t is not operator.mul}
+        assert recorded and recorded <= (compat.symbolic_sqrt_functions() | {math.sqrt}), changed(
+            name, f"math.sqrt of a symbol is recorded as {recorded}")
 
 
 # ------------------------------------------------------------------------------ queue_end_of_backward
@@ -581,7 +604,7 @@ TESTED = {
     "inductor_reads_thresholds_raised", "dynamo_recompile_limit", "math_pow_kept_symbolic",
     "compiled_steps_unsupported", "floats_used_directly", "floats_need_a_direct_use", "cpu_kernels_truncate_float_min_max",
     "compiled_kernels_may_fuse_multiply_add", "ints_symbolic_from_the_first_graph", "inductor_with_post_grad_pass",
-    "start_cpu_vector_isa_checks", "block_loops_pass",
+    "start_cpu_vector_isa_checks", "block_loops_pass", "symbolic_sqrt_functions",
 }
 
 
