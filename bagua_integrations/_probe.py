@@ -354,11 +354,15 @@ def _mismatch(name: str, per_tensor: torch.Tensor, flat: torch.Tensor,
               before: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why ``flat`` is not ``per_tensor`` up to fp32 rounding, or ``None``.
 
-    ``before``: the values both started from. A difference within ``_RTOL`` of how far a value
-    moved is rounding too: MADGRAD's dual averaging computes a parameter as the difference of two
-    far larger terms (``x0 - s / rms``), so one rounding step of those, which differs with an
-    element's place in a vectorised loop, is a large part of a tiny parameter. A step that is not
-    elementwise changes the update itself, by much more than that."""
+    ``before``: the values both started from (a parameter, or a state before the last step). A
+    difference within ``_RTOL`` of how far a value moved is rounding too: MADGRAD's dual averaging
+    computes a parameter as the difference of two far larger terms (``x0 - s / rms``), so one
+    rounding step of those, which differs with an element's place in a vectorised loop, is a large
+    part of a tiny parameter. A momentum buffer is such a difference wherever this step's update
+    cancels most of it (``0.999 * m + u``, ``u`` near ``-m``): there a norm summed in another order
+    (``torch._foreach_norm`` against one parameter's ``vector_norm`` on a GPU, one or two roundings
+    apart) moved LARS's tiny values by 1e-5 of themselves. A step that is not elementwise changes
+    the update itself, by much more than that."""
     if per_tensor.shape != flat.shape:
         return f"{name} has shape {tuple(flat.shape)} on the flat tensor, not {tuple(per_tensor.shape)}"
     a, b = per_tensor.double(), flat.double()
@@ -409,6 +413,8 @@ def probe_elementwise(
                 for p, g in zip(per_tensor, step_grads):
                     p.grad = g.clone()
                 flat.grad = _padded_cat(step_grads)
+                if n == len(grads) - 1:
+                    state_before = _state_copy(opt_a, per_tensor)
                 with _replayed_rng(device), reads_per_tensor.counting(t.numel() for t in per_tensor if t.numel() > 1):
                     closure.step(step, opt_a, n)
                 # (the read counter outermost: its own size reads stay out of the other modes' sight)
@@ -428,7 +434,7 @@ def probe_elementwise(
                 f"per tensor, {reads_flat.reads} flat over {_PROBE_STEPS} steps: `if grad.abs().sum() == 0:`), "
                 "which the flat tensor would answer for every parameter at once")
     try:
-        return _compare_flat(opt_a, per_tensor, opt_b, flat, init)
+        return _compare_flat(opt_a, per_tensor, opt_b, flat, init, state_before)
     except Exception as exc:  # state the comparison cannot read (e.g. dicts of tensors)
         return f"its state cannot be compared per tensor and flat ({type(exc).__name__}: {exc})"
 
@@ -449,15 +455,48 @@ def _untouched(optimizer):
             )
 
 
-def _compare_flat_leaf(key, value: torch.Tensor, pieces, flat, per_tensor) -> Optional[str]:
+def _state_copy(opt, params) -> List[Dict[str, Any]]:
+    """Each parameter's state as it is now (tensors copied): what a state was before the last probe
+    step, for :func:`_mismatch`'s ``before``."""
+    copies = []
+    for p in params:
+        kept = {}
+        for key, value in opt.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                kept[key] = value.detach().clone()
+            elif tensor_leaves(value) is not None:  # a container of tensors (AggMo's {beta: buffer})
+                try:
+                    kept[key] = copy.deepcopy(value)
+                except Exception:
+                    pass  # (compared without leniency)
+        copies.append(kept)
+    return copies
+
+
+def _before(state_before: Dict[str, Any], key: str, path: Tuple = (), like: Optional[torch.Tensor] = None):
+    """The value at ``key`` (and ``path`` into a container) of a state before the last step, where
+    it existed then with ``like``'s number of elements; else ``None`` (no leniency)."""
+    value = state_before.get(key)
+    if value is not None and path:
+        try:
+            value = leaf_at(value, path)
+        except Exception:
+            return None
+    if not isinstance(value, torch.Tensor) or (like is not None and value.numel() != like.numel()):
+        return None
+    return value.reshape(-1)
+
+
+def _compare_flat_leaf(key, value: torch.Tensor, pieces, flat, per_tensor, befores=None) -> Optional[str]:
     if value.shape != flat.shape:
         return f"its state '{key}' has shape {tuple(value.shape)}, not the parameter's shape"
     if any(not isinstance(v, torch.Tensor) or v.shape != p.shape for v, p in zip(pieces, per_tensor)):
         return f"its state '{key}' is not shaped like each parameter"
-    return _mismatch(f"state '{key}'", torch.cat([v.reshape(-1) for v in pieces]), _unpadded(value, pieces))
+    before = torch.cat(befores) if befores and all(b is not None for b in befores) else None
+    return _mismatch(f"state '{key}'", torch.cat([v.reshape(-1) for v in pieces]), _unpadded(value, pieces), before)
 
 
-def _compare_flat(opt_a, per_tensor, opt_b, flat, init) -> Optional[str]:
+def _compare_flat(opt_a, per_tensor, opt_b, flat, init, state_before=None) -> Optional[str]:
     with torch.no_grad():
         reason = _mismatch("the parameter update", torch.cat([p.reshape(-1) for p in per_tensor]),
                            _unpadded(flat, per_tensor), torch.cat([t.reshape(-1) for t in init]))
@@ -467,6 +506,7 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat, init) -> Optional[str]:
         keys_a = set().union(*(opt_a.state.get(p, {}).keys() for p in per_tensor))
         if keys_a != set(flat_state):
             return f"it keeps different state keys per tensor ({sorted(keys_a)}) and flat ({sorted(flat_state)})"
+        state_before = state_before or [{} for _ in per_tensor]
         for key, value in flat_state.items():
             pieces = [opt_a.state[p][key] for p in per_tensor]
             leaves = tensor_leaves(value)
@@ -474,12 +514,14 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat, init) -> Optional[str]:
                 if any(structure(v) != structure(value) for v in pieces):
                     return f"its state '{key}' holds tensors otherwise per tensor and flat"
                 for path, leaf in leaves:
-                    reason = _compare_flat_leaf(f"{key}{list(path)}", leaf, [leaf_at(v, path) for v in pieces],
-                                                flat, per_tensor)
+                    own = [leaf_at(v, path) for v in pieces]
+                    befores = [_before(b, key, path, v) for b, v in zip(state_before, own)]
+                    reason = _compare_flat_leaf(f"{key}{list(path)}", leaf, own, flat, per_tensor, befores)
                     if reason:
                         return reason
             elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                reason = _compare_flat_leaf(key, value, pieces, flat, per_tensor)
+                befores = [_before(b, key, like=v) for b, v in zip(state_before, pieces)]
+                reason = _compare_flat_leaf(key, value, pieces, flat, per_tensor, befores)
                 if reason:
                     return reason
             else:
@@ -560,6 +602,8 @@ def probe_segmented(
             for n, step_grads in enumerate(grads):
                 for p, g in zip(per_tensor, step_grads):
                     p.grad = g.clone()
+                if n == len(grads) - 1:
+                    state_before = _state_copy(opt_a, per_tensor)
                 with _replayed_rng(device):
                     closure.step(step, opt_a, n)
                 if n == 0 and not first_step_on_runs:
@@ -591,7 +635,7 @@ def probe_segmented(
     if reason:
         return reason
     try:
-        return _compare_segmented(opt_a, per_tensor, opt_b, runs, init)
+        return _compare_segmented(opt_a, per_tensor, opt_b, runs, init, state_before)
     except Exception as exc:
         return f"its state cannot be compared per parameter and segmented ({type(exc).__name__}: {exc})"
 
@@ -626,7 +670,8 @@ def _pack_runs(opt, views, runs) -> Optional[str]:
     return None
 
 
-def _compare_segmented(opt_a, per_tensor, opt_b, runs, init) -> Optional[str]:
+def _compare_segmented(opt_a, per_tensor, opt_b, runs, init, state_before=None) -> Optional[str]:
+    state_before = state_before or [{} for _ in per_tensor]
     with torch.no_grad():
         for proxy, seg, indices in runs:
             got = segment_views(proxy.detach(), seg)
@@ -652,7 +697,8 @@ def _compare_segmented(opt_a, per_tensor, opt_b, runs, init) -> Optional[str]:
                             return f"its state '{key}' is a tensor on one side only"
                         if want.numel() != have.numel():
                             return f"its state '{key}' has {have.numel()} values segmented, {want.numel()} per tensor"
-                        reason = _mismatch(f"state '{key}'", want.reshape(-1), have.reshape(-1))
+                        reason = _mismatch(f"state '{key}'", want.reshape(-1), have.reshape(-1),
+                                           _before(state_before[i], key, like=want))
                         if reason:
                             return reason
                     elif want != have:

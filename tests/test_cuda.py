@@ -241,10 +241,7 @@ SCHEDULED_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(DEVICE == "cuda" and name == "po.LARS", strict=True,
-                                               reason="LARS's probe refuses per-parameter fusion on CUDA (1.03e-5)"))
-    for name in SCHEDULED_CASES])
+@pytest.mark.parametrize("name", SCHEDULED_CASES)
 def test_compiled_step_follows_schedules_over_rectified_steps(name):
     """12 steps of a compiled fused step against unfused, under the schedules users run: the CPU
     fixes of step-count math in double precision, momentum/beta1 cycles and rates in fill values

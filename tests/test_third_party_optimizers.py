@@ -116,6 +116,43 @@ def test_pytorch_optimizer_norm_based_optimizers_are_segmented(name):
     outcome = sweep_one(name, cls)
     assert outcome.kind == "segmented", outcome
 
+def _norms_summed_in_another_order(monkeypatch, relative: float):
+    """Each parameter's norm on the probe's segmented side moved by ``relative``, up and down in
+    turn: what another summation order gives (on a GPU, ``torch._foreach_norm`` of the per-tensor
+    step against one ``vector_norm`` per parameter; one float32 rounding is 6e-8)."""
+    each_segment, calls = _segmented.SegmentedMode._each_segment, [0]
+
+    def moved(self, func, seg, args, kwargs):
+        values = each_segment(self, func, seg, args, kwargs)
+        if func is not torch.linalg.vector_norm:
+            return values
+        calls[0] += 1
+        with torch._C.DisableTorchFunction():
+            return [v * (1 + relative * (-1) ** calls[0]) for v in values]
+
+    monkeypatch.setattr(_segmented.SegmentedMode, "_each_segment", moved)
+
+
+@pytest.mark.parametrize("momentum", [0.99, 0.999])
+def test_lars_is_segmented_where_norms_round_differently_and_its_momentum_cancels(monkeypatch, momentum):
+    """pytorch-optimizer's LARS kept its unfused step on an H200 (the probe: ``momentum_buffer``
+    1.03e-5 off per-tensor): where this step's update cancels most of the momentum, a norm one or
+    two roundings off is a large part of a tiny value. Such a state differs within 1e-5 of how far
+    it moved, as a parameter may; a trust ratio 1e-4 off (80 roundings, not a summation order)
+    must still be refused."""
+    pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+
+    def probe(relative):
+        _norms_summed_in_another_order(monkeypatch, relative)
+        optimizer = pytorch_optimizer.LARS([torch.nn.Parameter(torch.randn(4, 6))], lr=1e-2, momentum=momentum,
+                                           dampening=0.9, weight_decay=1e-4)
+        return _probe.probe_segmented(optimizer, optimizer.param_groups[0], torch.device("cpu"))
+
+    assert probe(2.4e-7) is None  # (refused before: "relative error 1.5e-05 at a value of -2.1e-09")
+    reason = probe(1e-4)
+    assert reason is not None and "momentum_buffer" in reason, reason
+
+
 
 @pytest.mark.parametrize("weight_decay", [0.01, 0.0])
 def test_pytorch_optimizer_lamb_compiled_follows_a_schedule(weight_decay):
