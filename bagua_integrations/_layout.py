@@ -264,6 +264,11 @@ class FlatLayout:
             return "it has no elements"
         if p.layout != torch.strided:
             return "it is not a dense tensor"
+        if p.dim() == 0:
+            # its state is 0-D too (Adam's exp_avg of CLIP's logit_scale): in a run, where 0-D state
+            # is what the run keeps once for all its parameters (a step count), the two kinds would
+            # look alike; one value costs nothing to step on its own, in the same call of the step
+            return "it is 0-dimensional (one value): stepped on its own, in the same call as the flat runs"
         if p.device.type == "meta":
             return "it is on the meta device (materialize the model, e.g. model.to_empty(device=...), before fusing)"
         if not p.is_contiguous() and self.config.do_flatten:

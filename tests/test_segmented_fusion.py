@@ -1205,3 +1205,41 @@ def test_arithmetic_with_one_value_per_parameter_runs_on_each_parameters_range(m
     monkeypatch.setattr(_segmented.SegmentedMode, "_per_parameter_arithmetic", next_parameters_value)
     worst, _, _ = _fused_vs_unfused(make, LARGE_MATRICES)
     assert worst > 1e-3, worst
+
+
+class OutOfPlaceMomentum(torch.optim.Optimizer):
+    """Momentum SGD that writes a new state tensor each step (``state["m"] = beta * m + g``)."""
+
+    def __init__(self, params, lr=0.1, beta=0.9):
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["m"] = group["beta"] * state.get("m", torch.zeros_like(p)) + p.grad
+                p.add_(state["m"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    lambda ps: OutOfPlaceMomentum(ps),
+], ids=["Adam", "SGD-momentum", "Adagrad", "out-of-place-momentum"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_zero_dim_parameter_laid_out_first_is_stepped_exactly(make, compile):
+    """A model's 0-D parameter (CLIP's ``logit_scale``) first in the flat buffer: its 0-D state
+    (Adam's ``exp_avg``) was read as a value the whole run shares, like a step count. Adam then
+    raised a bare RuntimeError (``output with shape [] doesn't match the broadcast shape [51]``)
+    from its second step, and a momentum written out of place spread one value over every
+    parameter, silently (0.45 off after 4 steps). It is now stepped on its own, in the same call."""
+    if compile and _compile.compile_unavailable_reason("elementwise") is not None:
+        pytest.skip(_compile.compile_unavailable_reason("elementwise"))
+    worst, _, fused = _fused_vs_unfused(make, [(), (3, 6), (3,)], steps=4, compile=compile)
+    assert worst <= 1e-6, worst
+    report = fusion_report(fused)
+    assert report.fused_params == 2 and report.unfused_params == 1, report
