@@ -383,6 +383,46 @@ def test_qadam_refuses_a_second_momentum_exchange_before_the_step():
         assert message.startswith("step 2: ") and "no_sync()" in message, message  # step 1 is warm-up
 
 
+def _last_layer_dropped(rank, world, fused):
+    """The last layer is used by every rank through warm-up and one compressed step, then by none."""
+    from bagua_integrations import bagua_init, fuse_optimizer
+    from bagua_integrations.distributed import AlgorithmConfigError
+    from bagua_integrations.optim import QAdam
+
+    model = _model()
+    optimizer = QAdam(model.parameters(), lr=LR, warmup_steps=WARMUP)
+    if fused:
+        fuse_optimizer(optimizer)
+    wrapped, optimizer = bagua_init(model, optimizer, "qadam")
+    last = model[2]
+    for step in range(1, WARMUP + 5):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad(set_to_none=True)
+        hidden = model[1](model[0](x))
+        out = last(hidden) if step <= WARMUP + 1 else hidden[:, :5]
+        try:
+            torch.nn.functional.mse_loss(out, y).backward()
+        except AlgorithmConfigError as error:
+            return f"step {step}: {error}"
+        optimizer.step()
+        if step == WARMUP + 1:
+            kept = [t.detach().clone() for p in last.parameters() for t in (p, optimizer.state[p]["exp_avg"])]
+    now = [t.detach().clone() for p in last.parameters() for t in (p, optimizer.state[p]["exp_avg"])]
+    assert all(torch.equal(a, b) for a, b in zip(kept, now)), "the dropped layer moved"
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_a_layer_no_rank_uses_after_warmup_is_not_a_second_exchange(fused):
+    """A parameter no rank used this round is folded with its bucket, but the step skips it (grad
+    None) and its step count stays: keyed by that count, its next fold was refused as a second
+    exchange for the same step ("qadam exchanged a parameter's momentum twice"). A fold now counts
+    until the optimizer's next step, whichever parameters that step moves."""
+    first, second = values(run_ranks(_last_layer_dropped, 2, timeout=120, args=(fused,)))
+    assert not isinstance(first, str), first
+    assert all(torch.equal(a, b) for a, b in zip(first, second))  # the ranks agree
+
+
 def test_qadam_checks_every_group_it_is_given():
     """A group's own settings (add_param_group, load_state_dict) are checked like the constructor's,
     before anything is replaced; a torch Adam checkpoint loads, with QAdam's own keys defaulted."""

@@ -87,7 +87,10 @@ class QAdamAlgorithm(GradientAlgorithm):
         self.optimizer = optimizer
         self._group_of = {}  # id(param) -> its param group, as the optimizer holds them now
         self._groups_seen = None  # what _group_of was built from (see _groups)
-        self._folded = {}  # id(param) -> the optimizer step its gradient was last folded for
+        # ids of the parameters whose gradient was folded since the optimizer's last step (the step's
+        # post-hook empties it): a second fold before the step would fold a momentum twice
+        self._folded = set()
+        self._step_hook = None
         # bytegrad's uint8 average (inside our hierarchy), 0 kept exact: see MinMaxUInt8
         self._compressed = ByteGrad(hierarchical=False)
 
@@ -110,8 +113,12 @@ class QAdamAlgorithm(GradientAlgorithm):
                 "(Bagua's QAdamOptimizer), or pick another algorithm (e.g. bytegrad) for other optimizers"
             )
         super().attach(params, optimizer, group)
+        self._remove_step_hook()
         self.optimizer = qadam
-        self._groups_seen, self._folded = None, {}
+        self._groups_seen, self._folded = None, set()
+        # Not the parameters' step counts: a parameter no rank used this round keeps its count (the
+        # step skips it, grad None) although its bucket was folded, and its next fold is legitimate
+        self._step_hook = qadam.register_step_post_hook(lambda *args: self._folded.clear())
         self._groups(group)
         # One process communicates no bucket, so no gradient is folded: the optimizer folds its own.
         # The same flag decides whether bucket_stages folds (a 1-rank DDP still calls its hook).
@@ -135,12 +142,18 @@ class QAdamAlgorithm(GradientAlgorithm):
             lines.append(f"steps taken {sorted({int(s['step']) for s in self.optimizer.state.values() if 'step' in s})}")
             check_same_on_all_ranks(lines, "QAdam optimizer (warm-up and steps taken)", group=group, timeout=self.timeout)
             self._group_of = {id(p): g for g in groups for p in g["params"]}
-            self._groups_seen, self._folded = seen, {}  # a loaded checkpoint may repeat step counts
+            self._groups_seen, self._folded = seen, set()  # (a loaded checkpoint starts afresh)
         return self._group_of
 
     def detach(self) -> None:
+        self._remove_step_hook()
         if self.optimizer is not None:
             self.optimizer.momentum_in_grad = False  # alone again, it folds its gradients itself
+
+    def _remove_step_hook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def validate_join(self, group=None) -> None:
         raise JoinError(
@@ -173,9 +186,8 @@ class QAdamAlgorithm(GradientAlgorithm):
         groups = self._groups(group)
         phases = [self._phase(param, groups) for param, _ in members]
         folding = [(param, grad) for (param, grad), past in zip(members, phases) if past]
-        for param, _ in folding:  # before any gradient changes: refuse a second fold for the same step
-            step = self.optimizer.state[param]["step"]
-            if self._folded.get(id(param)) == step:
+        for param, _ in folding:  # before any gradient changes: refuse a second fold before the step
+            if id(param) in self._folded:
                 raise AlgorithmConfigError(
                     "qadam exchanged a parameter's momentum twice for the same optimizer step (gradients "
                     "accumulated over several backward passes, or a step skipped): it folds each gradient "
@@ -183,7 +195,7 @@ class QAdamAlgorithm(GradientAlgorithm):
                     "exchange only on the last one, then call optimizer.step()"
                 )
         for param, grad in folding:  # grad <- beta1 * m + (1 - beta1) * grad, the momentum this step makes
-            self._folded[id(param)] = self.optimizer.state[param]["step"]
+            self._folded.add(id(param))
             grad.lerp_(self.optimizer.state[param]["exp_avg"], groups[id(param)]["betas"][0])
         deciding = [past for past in phases if past is not None]
         self.stages_overlap = bool(deciding) and all(deciding)  # compressed: two stages (see GradientAlgorithm)
