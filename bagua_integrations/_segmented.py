@@ -528,19 +528,35 @@ class _Stacked:
         return torch.cat([row.reshape(-1) for row in self.rows(t)])
 
 
-class RunCount(int):
+class RunCount:
     """``p.numel()`` of a run: its parameters' elements (never the padding's).
 
     Summed (``sum(p.numel() for p in params)``: Adai's and AvaGrad's means over a group) it is the
     count the per-tensor step sums, and the sum is a plain ``int``. Anything else uses one
     parameter's count, which a run does not have: compared (``p.numel() >= 4096``, a branch per
     parameter that the probes' small tensors would all take alike) or in arithmetic
-    (``p.numel() * 2 >= 8192``, an RMS over ``sqrt(p.numel())``): refused."""
+    (``p.numel() * 2 >= 8192``, an RMS over ``sqrt(p.numel())``): refused.
+
+    Not an ``int`` subclass: Python's ``float`` computes ``1.0 / n`` and ``0.5 * n`` itself for any
+    ``int``, without asking ``n``, so a count used so from a step after the probes' (a scale from
+    step 5 on) divided by the run's count, silently. An object of its own is asked every time."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, count: int):
+        self.count = int(count)
 
     def __add__(self, other):
-        return int(self) + other if isinstance(other, int) else NotImplemented
+        if isinstance(other, RunCount):
+            return self.count + other.count
+        if isinstance(other, int) and not isinstance(other, bool):
+            return self.count + other
+        return self._per_parameter()
 
     __radd__ = __add__
+
+    def __repr__(self) -> str:
+        return f"RunCount({self.count})"
 
     def _per_parameter(self, *args):
         raise NotSegmentable("the step uses a parameter's count of elements (numel) otherwise than summed over "
@@ -548,8 +564,9 @@ class RunCount(int):
 
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _per_parameter
     __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _per_parameter
-    __mod__ = __rmod__ = __pow__ = __rpow__ = __neg__ = __float__ = __divmod__ = __rdivmod__ = _per_parameter
-    __hash__ = int.__hash__
+    __mod__ = __rmod__ = __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = __divmod__ = __rdivmod__ = _per_parameter
+    __float__ = __int__ = __index__ = __round__ = __trunc__ = __floor__ = __ceil__ = _per_parameter
+    __hash__ = object.__hash__
 
 
 def _one_value_run(kind: str, seg: Optional[Segmentation]) -> bool:
@@ -616,6 +633,10 @@ class SegmentedMode(TorchFunctionMode):
         undone (:meth:`undo`) and taken per parameter; :meth:`forget` drops the copies."""
         super().__init__()
         self.journal: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = {} if journal else None
+        # without a journal: the storages of the tensors a step must not have written when it stops
+        # (the runs, their gradients and state: see :meth:`guard`), and whether it wrote one of them
+        self.guarded: Optional[set] = None
+        self.wrote_guarded = False
         self.lone_lists_over_runs = lone_lists_over_runs
         self.notes = notes if notes is not None else StepNotes()
         segmentations = list(segmentations)
@@ -648,6 +669,22 @@ class SegmentedMode(TorchFunctionMode):
     def forget(self) -> None:
         if self.journal:
             self.journal.clear()
+        self.guarded, self.wrote_guarded = None, False
+
+    def guard(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Note, for this step, whether it writes in place into the memory of any of ``tensors``
+        (:attr:`wrote_guarded`): a step without a journal that stops before it did can be taken per
+        parameter instead, with nothing to undo. (Storages, not objects: ``p.data`` is another
+        object over ``p``'s memory.)"""
+        self.guarded = {t.untyped_storage().data_ptr() for t in tensors}
+        self.wrote_guarded = False
+
+    def _note_guarded_writes(self, func, args, kwargs) -> None:
+        targets = [args[0]] if (func in _IN_PLACE or func is torch.Tensor.__setitem__) and args else []
+        out = kwargs.get("out")
+        targets += list(out) if isinstance(out, (tuple, list)) else [out]
+        self.wrote_guarded = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.guarded
+                                 for t in targets)
 
     def _record_writes(self, func, args, kwargs) -> None:
         """Copy each run- or per-parameter-shaped tensor ``func`` writes in place, before its first
@@ -735,6 +772,9 @@ class SegmentedMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.journal is not None and (func in _IN_PLACE or func is torch.Tensor.__setitem__ or "out" in kwargs):
             self._record_writes(func, args, kwargs)
+        elif self.guarded is not None and not self.wrote_guarded and (
+                func in _IN_PLACE or func is torch.Tensor.__setitem__ or "out" in kwargs):
+            self._note_guarded_writes(func, args, kwargs)
         if func in _FOREACH:  # a loop over its lists: each element on its own (one run each)
             return self._foreach(func, args, kwargs)
         if stacks:

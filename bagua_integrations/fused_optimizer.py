@@ -25,6 +25,7 @@ import torch
 
 from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason
 from ._late_reductions import RAISED, DryRun, LateReduction
+from ._nested_state import tensor_leaves
 from ._per_tensor import Bookkeeping, PerTensorSteps
 from ._layout import FlatLayout, FusionConfig, is_sharded
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
@@ -633,15 +634,26 @@ class Fusion:
         if (compiled is not None and compiled.disabled_reason is None and self._replay is None and not creates_state
                 and compiled(optimizer, raw_step, mode)):
             return True
-        run_state = [] if mode.journal is None else [  # entries the step may add, replace or remove
+        run_state = [  # entries the step may add, replace or remove (references: cheap)
             (entry, dict(entry)) for group in optimizer.param_groups for entry in
             (optimizer.state.get(proxy) for proxy in group["params"]) if entry is not None]
+        if mode.journal is None:  # (a journal undoes any write; without one, a write is noted)
+            mode.guard(_run_tensors(optimizer, run_state))
         try:
             with self._eager_grad_mode(strips_grad_mode), mode:
                 self._call_raw(raw_step)
         except NotSegmentable as exc:
             if mode.journal is None:  # nothing recorded to undo (the probes saw no branch on values)
-                raise self._partly_applied(exc) from exc
+                if mode.wrote_guarded:
+                    raise self._partly_applied(exc) from exc
+                # It stopped before it wrote into a run, its gradient or its state (pytorch-optimizer's
+                # FlashAdamW, quantize flipped off mid-run: it dequantizes the state quantize=True
+                # stored, per parameter, first): only entries it set to undo (a step count), then
+                # taken per parameter (the caller)
+                for entry, saved in run_state:
+                    entry.clear()
+                    entry.update(saved)
+                raise BranchesDisagree(str(exc), None, None) from exc
             # undone: what it wrote in place, the run state's entries (the bookkeeping: by the caller)
             mode.undo()
             for entry, saved in run_state:
@@ -671,6 +683,24 @@ class Fusion:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+def _run_tensors(optimizer, run_state) -> List[torch.Tensor]:
+    """The tensors a segmented call's step updates: its runs (the group's parameters now), their
+    gradients and their state (containers' tensors included)."""
+    tensors = []
+    for group in optimizer.param_groups:
+        for proxy in group["params"]:
+            tensors.append(proxy)
+            if proxy.grad is not None:
+                tensors.append(proxy.grad)
+    for _, saved in run_state:
+        for value in saved.values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif (leaves := tensor_leaves(value)) is not None:
+                tensors.extend(leaf for _, leaf in leaves)
+    return tensors
 
 
 def _fused_step(self, closure=None):

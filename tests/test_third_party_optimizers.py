@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from bagua_integrations import (
+    FusionError,
     FusionFallbackWarning,
     NotElementwiseError,
     fuse_optimizer,
@@ -1258,6 +1259,14 @@ def test_report_command_says_which_path_each_group_takes(capsys):
     assert "ModuleNotFoundError" in capsys.readouterr().err
 
 
+def test_report_command_compares_an_optimizer_that_draws_random_numbers_from_the_same_draws(capsys):
+    """pytorch-optimizer's Gravity draws its initial state at random: fused and unfused take the
+    same draws when they start from the same random state (the report said 1.2e+01 apart)."""
+    pytest.importorskip("pytorch_optimizer")
+    assert report_main(["pytorch_optimizer:Gravity"]) == 0
+    assert "after 3 steps: 0.0e+00" in capsys.readouterr().out
+
+
 # =========================================================================== (1,)-shaped per-parameter state
 class WeightedMomentum(torch.optim.Optimizer):
     """QHAdam-style: a ``(1,)``-shaped running weight per parameter, read back as a 0-D value with
@@ -1371,3 +1380,90 @@ def test_a_specialized_step_count_switches_the_compiled_step_off(monkeypatch):
     monkeypatch.setattr(_compile, "math_pow_kept_symbolic", contextlib.nullcontext)
     _, _, opt, _ = _compiled_counted()
     assert "recompiled" in (fusion_report(opt).compile_disabled_reason or "")
+
+
+def test_a_flag_flipped_mid_run_whose_old_state_a_run_cannot_read_takes_one_step_per_parameter():
+    """pytorch-optimizer's FlashAdamW keeps its unfused step under ``quantize=True`` (the default):
+    its state is stored quantized. With ``quantize`` flipped off after 3 steps the group is laid
+    out anew, segmented, and its first step dequantizes the old state per parameter (``numel``),
+    which a run cannot give: that raised a FusionError half-way through the step ("some
+    parameters may already be updated"), while the unfused optimizer takes the flip. A segmented
+    call's first eager step now keeps a journal: undone, taken per parameter once (one warning),
+    segmented from then on; the same numbers as unfused."""
+    pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+    make = getattr(pytorch_optimizer, "FlashAdamW", None)
+    if make is None:
+        pytest.skip("this pytorch-optimizer has no FlashAdamW")
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    plain_model, fused_model = model(), model()
+    plain = make(plain_model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = fuse_optimizer(make(fused_model.parameters(), lr=1e-3), compile=False)
+        for step in range(8):
+            if step == 3:
+                for optimizer in (plain, fused):
+                    optimizer.param_groups[0]["quantize"] = not optimizer.param_groups[0]["quantize"]
+            for net, optimizer in ((plain_model, plain), (fused_model, fused)):
+                optimizer.zero_grad()
+                net(x).pow(2).mean().backward()
+            plain.step()
+            fused.fuse_step()
+    assert_same_params(plain_model, fused_model)
+    report = fusion_report(fused)
+    assert report.group_paths == ["segmented"] and report.branch_fallback_steps == 1, report
+    assert any("took that step per parameter" in str(w.message) for w in caught)
+
+
+class LateCountNorm(torch.optim.Optimizer):
+    """Normalized SGD that, from step 5 (after the probes' 3), also scales each parameter by its
+    count of elements: before it writes anything (``count_first``) or after it updated ``p``."""
+
+    def __init__(self, params, lr=0.1, count_first=True):
+        super().__init__(params, dict(lr=lr, count_first=count_first))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                late = state["step"] >= 5
+                scale = 1.0 + 1.0 / p.numel() if late and group["count_first"] else 1.0
+                p.sub_(p.grad / (p.grad.norm() + 1e-3), alpha=group["lr"] * scale)
+                if late and not group["count_first"]:
+                    p.mul_(1.0 - 1e-3 / p.numel())
+
+
+@pytest.mark.parametrize("count_first", [True, False], ids=["before-any-write", "after-a-write"])
+def test_a_step_that_stops_on_runs_is_taken_per_parameter_only_if_it_wrote_nothing(count_first):
+    """A segmented step that does what a run cannot give (a parameter's count of elements used
+    otherwise than summed), unseen by the probes, before it wrote into a run, its gradient or its
+    state: nothing to undo, so the step is taken per parameter (one warning), the same numbers as
+    unfused. After a write it cannot be undone without a journal: a FusionError that says so.
+    (Both were silently wrong before, 9e-3 and 6e-5 off: ``1.0 / p.numel()`` with a float on the
+    left never asked the run's count, an ``int`` subclass, and divided by the whole run's.)"""
+    make = lambda ps: LateCountNorm(ps, count_first=count_first)  # noqa: E731
+    plain_model, fused_model = TinyNet(), TinyNet()
+    plain = make(plain_model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = fuse_optimizer(make(fused_model.parameters()), compile=False)
+    assert fusion_report(fused).group_paths == ["segmented"]
+    data = batches(6)
+    train(plain_model, plain, data)
+    if not count_first:
+        with pytest.raises(FusionError, match="may already be updated"):
+            train(fused_model, fused, data, step=fused.fuse_step)
+        return
+    with pytest.warns(UserWarning, match="took that step per parameter"):
+        train(fused_model, fused, data, step=fused.fuse_step)
+    assert_same_params(plain_model, fused_model)
+    assert fusion_report(fused).branch_fallback_steps == 2
