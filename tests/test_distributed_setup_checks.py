@@ -97,7 +97,8 @@ def sc_settings_differ(rank, world, what):
 
     model = MLP()
     params = list(model.fc3.parameters()) if what == "optimizer" and rank == 1 else model.parameters()
-    optimizer = torch.optim.SGD(params, lr=0.1)
+    # (a learning rate of its own per rank: every collective matches, and the replicas drift apart)
+    optimizer = torch.optim.SGD(params, lr=0.1 * (1 + rank) if what == "learning rate" else 0.1)
     algorithm = "decentralized" if what == "optimizer" else "gradient_allreduce"
     try:
         bagua_init(model, optimizer, algorithm, broadcast_buffers=(rank == 0) if what == "buffers" else True)
@@ -106,7 +107,9 @@ def sc_settings_differ(rank, world, what):
     return None
 
 
-@pytest.mark.parametrize("what", ["buffers", "optimizer"])
+@pytest.mark.parametrize("what", ["buffers", "optimizer", "learning rate"])
 def test_ranks_that_disagree_on_buffers_or_the_optimizers_parameters_fail_by_name(what):
     for message in values(run_ranks(sc_settings_differ, 2, (what,), timeout=180)):
         assert message is not None, "bagua_init accepted ranks that disagree"
+        if what == "learning rate":
+            assert "lr=0.1" in message and "lr=0.2" in message, message

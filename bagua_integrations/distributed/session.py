@@ -115,6 +115,11 @@ class AlgorithmSession:
             lines.append(f"acts on model parameters {_ranges([position.get(id(p), -1) for p in self.params])}")
         lines.append(f"algorithm {self.algorithm.signature()}")
         lines.append(f"optimizers {[type(o).__name__ + (' fused' if is_fused_optimizer(o) else '') for o in self.optimizers]}")
+        # each param group's settings: a learning rate or momentum that differs between ranks makes
+        # the replicas drift apart while every collective still matches (DDP does not check it)
+        for i, optimizer in enumerate(self.optimizers):
+            for j, group in enumerate(optimizer.param_groups):
+                lines.append(f"optimizer {i} param group {j}: {_plain_settings(group)}")
         if self.algorithm.hierarchical:
             lines.append(f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', 'unset')}")
         lines.extend(extra_description)
@@ -364,3 +369,25 @@ def _ranges(indices: List[int]) -> str:
         else:
             runs.append([i, i, 1])
     return ", ".join(f"{n} outside the model" if a < 0 else (str(a) if a == b else f"{a}-{b}") for a, b, n in runs)
+
+
+def _plain_settings(group) -> str:
+    """A param group's settings that are numbers, flags, strings or tuples of them (one-value
+    tensors as numbers), in key order: what every rank's copy of the group must agree on. Other
+    values (callables, objects) are left out: their text can differ between processes."""
+
+    def plain(value):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return value.item()
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (tuple, list)):
+            items = [plain(v) for v in value]
+            return _LEFT_OUT if any(v is _LEFT_OUT for v in items) else tuple(items)
+        return _LEFT_OUT
+
+    kept = {key: plain(value) for key, value in group.items() if key not in ("params", "param_names")}
+    return ", ".join(f"{key}={value!r}" for key, value in sorted(kept.items()) if value is not _LEFT_OUT)
+
+
+_LEFT_OUT = object()
