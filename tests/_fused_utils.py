@@ -83,6 +83,24 @@ def count_replans(monkeypatch):
     return calls
 
 
+class PerParameterStep(torch.optim.Optimizer):
+    """A test optimizer written as most are: settings as the group's defaults, and ``update(p,
+    state, group)`` for each parameter with a gradient, under ``torch.no_grad()``."""
+
+    def __init__(self, params, **defaults):
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.update(p, self.state[p], group)
+
+    def update(self, p, state, group):
+        raise NotImplementedError
+
+
 class ForeachScalarsAdam(torch.optim.Optimizer):
     """An Adam written the way many installed optimizers are: ``torch._foreach_*`` calls over the
     group, hyper-parameters passed as Python scalars (``alpha=``, ``value=``, a lerp weight, plain

@@ -24,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-from _fused_utils import TinyNet, assert_same_params, assert_same_state, batches, train, two_groups
+from _fused_utils import PerParameterStep, TinyNet, assert_same_params, assert_same_state, batches, train, two_groups
 from bagua_integrations import (
     CompileFallbackWarning,
     FusionError,
@@ -1207,21 +1207,15 @@ def test_arithmetic_with_one_value_per_parameter_runs_on_each_parameters_range(m
     assert worst > 1e-3, worst
 
 
-class OutOfPlaceMomentum(torch.optim.Optimizer):
+class OutOfPlaceMomentum(PerParameterStep):
     """Momentum SGD that writes a new state tensor each step (``state["m"] = beta * m + g``)."""
 
     def __init__(self, params, lr=0.1, beta=0.9):
-        super().__init__(params, dict(lr=lr, beta=beta))
+        super().__init__(params, lr=lr, beta=beta)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["m"] = group["beta"] * state.get("m", torch.zeros_like(p)) + p.grad
-                p.add_(state["m"], alpha=-group["lr"])
+    def update(self, p, state, group):
+        state["m"] = group["beta"] * state.get("m", torch.zeros_like(p)) + p.grad
+        p.add_(state["m"], alpha=-group["lr"])
 
 
 @pytest.mark.parametrize("make", [

@@ -28,7 +28,7 @@ from bagua_integrations import _probe, _segmented
 from bagua_integrations import fused_optimizer as fused_module
 from bagua_integrations.report import main as report_main
 
-from _fused_utils import TinyNet, assert_same_params, assert_same_state, batches, train
+from _fused_utils import PerParameterStep, TinyNet, assert_same_params, assert_same_state, batches, train
 
 
 # =========================================================================== the real collection
@@ -1420,26 +1420,20 @@ def test_a_flag_flipped_mid_run_whose_old_state_a_run_cannot_read_takes_one_step
     assert any("took that step per parameter" in str(w.message) for w in caught)
 
 
-class LateCountNorm(torch.optim.Optimizer):
+class LateCountNorm(PerParameterStep):
     """Normalized SGD that, from step 5 (after the probes' 3), also scales each parameter by its
     count of elements: before it writes anything (``count_first``) or after it updated ``p``."""
 
     def __init__(self, params, lr=0.1, count_first=True):
-        super().__init__(params, dict(lr=lr, count_first=count_first))
+        super().__init__(params, lr=lr, count_first=count_first)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1
-                late = state["step"] >= 5
-                scale = 1.0 + 1.0 / p.numel() if late and group["count_first"] else 1.0
-                p.sub_(p.grad / (p.grad.norm() + 1e-3), alpha=group["lr"] * scale)
-                if late and not group["count_first"]:
-                    p.mul_(1.0 - 1e-3 / p.numel())
+    def update(self, p, state, group):
+        state["step"] = state.get("step", 0) + 1
+        late = state["step"] >= 5
+        scale = 1.0 + 1.0 / p.numel() if late and group["count_first"] else 1.0
+        p.sub_(p.grad / (p.grad.norm() + 1e-3), alpha=group["lr"] * scale)
+        if late and not group["count_first"]:
+            p.mul_(1.0 - 1e-3 / p.numel())
 
 
 @pytest.mark.parametrize("count_first", [True, False], ids=["before-any-write", "after-a-write"])
