@@ -159,7 +159,7 @@ class GroupLayout:
 def _stepped_alone_in_runs(p: torch.Tensor) -> Optional[str]:
     """Why ``p``, in a group whose step reduces per parameter, is stepped on its own rather than in a
     segmented run (None: it joins the runs)."""
-    if not 1 <= p.dim() <= MAX_RANK:
+    if p.dim() > MAX_RANK:  # (a 0-D one is stepped on its own in every group: _unfusable_reason)
         return f"its step reduces per parameter and a {p.dim()}-D parameter is stepped on its own"
     if p.is_complex():
         # the probes step real (fp32) tensors; an optimizer may take another code path for complex

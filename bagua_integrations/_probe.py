@@ -171,7 +171,8 @@ def _probe_clone(optimizer: torch.optim.Optimizer, group: Dict[str, Any], params
 
 
 def _user_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
-    """The real parameters, gradients, state tensors and tensors in param groups of ``optimizer``."""
+    """The parameters, gradients, state tensors (those in containers too: AggMo's {beta: buffer})
+    and tensors in param groups of ``optimizer``, as it holds them now."""
     out = []
     for group in optimizer.param_groups:
         out.extend(v for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor))
@@ -181,7 +182,11 @@ def _user_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
                 out.append(p.grad)
     for per_param in optimizer.state.values():
         if isinstance(per_param, dict):
-            out.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+            for value in per_param.values():
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
+                elif (leaves := tensor_leaves(value)) is not None:
+                    out.extend(leaf for _, leaf in leaves)
     return out
 
 
@@ -496,7 +501,7 @@ def _compare_flat_leaf(key, value: torch.Tensor, pieces, flat, per_tensor, befor
     return _mismatch(f"state '{key}'", torch.cat([v.reshape(-1) for v in pieces]), _unpadded(value, pieces), before)
 
 
-def _compare_flat(opt_a, per_tensor, opt_b, flat, init, state_before=None) -> Optional[str]:
+def _compare_flat(opt_a, per_tensor, opt_b, flat, init, state_before) -> Optional[str]:
     with torch.no_grad():
         reason = _mismatch("the parameter update", torch.cat([p.reshape(-1) for p in per_tensor]),
                            _unpadded(flat, per_tensor), torch.cat([t.reshape(-1) for t in init]))
@@ -506,7 +511,6 @@ def _compare_flat(opt_a, per_tensor, opt_b, flat, init, state_before=None) -> Op
         keys_a = set().union(*(opt_a.state.get(p, {}).keys() for p in per_tensor))
         if keys_a != set(flat_state):
             return f"it keeps different state keys per tensor ({sorted(keys_a)}) and flat ({sorted(flat_state)})"
-        state_before = state_before or [{} for _ in per_tensor]
         for key, value in flat_state.items():
             pieces = [opt_a.state[p][key] for p in per_tensor]
             leaves = tensor_leaves(value)
@@ -670,8 +674,7 @@ def _pack_runs(opt, views, runs) -> Optional[str]:
     return None
 
 
-def _compare_segmented(opt_a, per_tensor, opt_b, runs, init, state_before=None) -> Optional[str]:
-    state_before = state_before or [{} for _ in per_tensor]
+def _compare_segmented(opt_a, per_tensor, opt_b, runs, init, state_before) -> Optional[str]:
     with torch.no_grad():
         for proxy, seg, indices in runs:
             got = segment_views(proxy.detach(), seg)

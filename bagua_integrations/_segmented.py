@@ -614,6 +614,14 @@ def _name(func) -> str:
     return getattr(func, "__name__", None) or repr(func)
 
 
+def _written(func, args, kwargs) -> List[Any]:
+    """What ``func`` writes in place: its first argument (an in-place op, ``__setitem__``) and ``out=``."""
+    targets = [args[0]] if (func in _IN_PLACE or func is torch.Tensor.__setitem__) and args else []
+    out = kwargs.get("out")
+    targets += list(out) if isinstance(out, (tuple, list)) else [out]
+    return targets
+
+
 class SegmentedMode(TorchFunctionMode):
     """Run an optimizer's ``step`` on segmented runs, computing every whole-parameter reduction per parameter."""
 
@@ -680,19 +688,13 @@ class SegmentedMode(TorchFunctionMode):
         self.wrote_guarded = False
 
     def _note_guarded_writes(self, func, args, kwargs) -> None:
-        targets = [args[0]] if (func in _IN_PLACE or func is torch.Tensor.__setitem__) and args else []
-        out = kwargs.get("out")
-        targets += list(out) if isinstance(out, (tuple, list)) else [out]
         self.wrote_guarded = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.guarded
-                                 for t in targets)
+                                 for t in _written(func, args, kwargs))
 
     def _record_writes(self, func, args, kwargs) -> None:
         """Copy each run- or per-parameter-shaped tensor ``func`` writes in place, before its first
         write (any such tensor: ``p.data`` is another object for the same memory as ``p``)."""
-        targets = [args[0]] if (func in _IN_PLACE or func is torch.Tensor.__setitem__) and args else []
-        out = kwargs.get("out")
-        targets += list(out) if isinstance(out, (tuple, list)) else [out]
-        for t in targets:
+        for t in _written(func, args, kwargs):
             if isinstance(t, torch.Tensor) and id(t) not in self.journal and self._kind(t)[0] in ("run", "scalar"):
                 self.journal[id(t)] = (t, t.detach().clone())
 

@@ -25,12 +25,11 @@ import torch
 
 from ._compile import AUTO_MIN_ELEMENTS, CompiledStep, compile_unavailable_reason
 from ._late_reductions import RAISED, DryRun, LateReduction
-from ._nested_state import tensor_leaves
 from ._per_tensor import Bookkeeping, PerTensorSteps
 from ._layout import FlatLayout, FusionConfig, is_sharded
 from ._paths import ELEMENTWISE, PER_TENSOR, SEGMENTED
 from ._planner import Run, StepPlan, StepPlanner
-from ._probe import _PROBE_STEPS, probe_per_tensor_calls
+from ._probe import _PROBE_STEPS, _user_tensors, probe_per_tensor_calls
 from ._segmented import BranchesDisagree, NotSegmentable, SegmentedMode
 from ._state_dict import StateDictHooks
 from ._verify import verified
@@ -638,28 +637,24 @@ class Fusion:
             (entry, dict(entry)) for group in optimizer.param_groups for entry in
             (optimizer.state.get(proxy) for proxy in group["params"]) if entry is not None]
         if mode.journal is None:  # (a journal undoes any write; without one, a write is noted)
-            mode.guard(_run_tensors(optimizer, run_state))
+            mode.guard(_user_tensors(optimizer))  # (the runs', their gradients' and state's, swapped in)
         try:
             with self._eager_grad_mode(strips_grad_mode), mode:
                 self._call_raw(raw_step)
         except NotSegmentable as exc:
-            if mode.journal is None:  # nothing recorded to undo (the probes saw no branch on values)
-                if mode.wrote_guarded:
-                    raise self._partly_applied(exc) from exc
-                # It stopped before it wrote into a run, its gradient or its state (pytorch-optimizer's
-                # FlashAdamW, quantize flipped off mid-run: it dequantizes the state quantize=True
-                # stored, per parameter, first): only entries it set to undo (a step count), then
-                # taken per parameter (the caller)
-                for entry, saved in run_state:
-                    entry.clear()
-                    entry.update(saved)
-                raise BranchesDisagree(str(exc), None, None) from exc
-            # undone: what it wrote in place, the run state's entries (the bookkeeping: by the caller)
-            mode.undo()
+            journaled = mode.journal is not None
+            if journaled:
+                mode.undo()  # what it wrote in place
+            elif mode.wrote_guarded:  # nothing recorded to undo (the probes saw no branch on values)
+                raise self._partly_applied(exc) from exc
+            # (else it stopped before it wrote into a run, its gradient or its state: pytorch-optimizer's
+            # FlashAdamW, quantize flipped off mid-run, dequantizes what quantize=True stored first)
+            # undone: the run state's entries it set (a step count); the bookkeeping: by the caller,
+            # which takes the step per parameter
             for entry, saved in run_state:
                 entry.clear()
                 entry.update(saved)
-            if isinstance(exc, BranchesDisagree):
+            if journaled and isinstance(exc, BranchesDisagree):
                 raise
             raise BranchesDisagree(str(exc), None, None) from exc
         finally:
@@ -683,24 +678,6 @@ class Fusion:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-
-def _run_tensors(optimizer, run_state) -> List[torch.Tensor]:
-    """The tensors a segmented call's step updates: its runs (the group's parameters now), their
-    gradients and their state (containers' tensors included)."""
-    tensors = []
-    for group in optimizer.param_groups:
-        for proxy in group["params"]:
-            tensors.append(proxy)
-            if proxy.grad is not None:
-                tensors.append(proxy.grad)
-    for _, saved in run_state:
-        for value in saved.values():
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-            elif (leaves := tensor_leaves(value)) is not None:
-                tensors.extend(leaf for _, leaf in leaves)
-    return tensors
 
 
 def _fused_step(self, closure=None):
