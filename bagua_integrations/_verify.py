@@ -93,7 +93,11 @@ def _relative_difference(got: torch.Tensor, expected: torch.Tensor, before: Opti
     """max |got - expected|, relative to the unfused update's size, computed in the tensors' own
     dtype (no float64 copies). The size is taken as at least ``ROUNDING_ULPS`` units in the last
     place of the largest value over ``allowed`` (the tolerance it is compared with): such a difference
-    is within that tolerance whatever the update."""
+    is within that tolerance whatever the update. Complex tensors are compared as their real and
+    imaginary parts (rounding and matching NaNs as for real ones)."""
+    if expected.is_complex() and got.is_complex():
+        got, expected = torch.view_as_real(got), torch.view_as_real(expected)
+        before = torch.view_as_real(before) if before is not None and before.is_complex() else None
     if not expected.is_floating_point():
         return float(torch.ne(got, expected).any())
     difference = float(torch.sub(got, expected).abs_().amax()) if got.numel() else 0.0

@@ -258,6 +258,42 @@ def test_the_rounding_allowance_is_a_few_ulps_of_the_values_not_of_a_wrong_updat
     assert _relative_difference(expected + 1e-6, expected, before, allowed=1e-3) > 1e-3
 
 
+def test_complex_values_are_compared_like_their_real_and_imaginary_parts():
+    """Verification compared complex tensors bit for bit (as integers): a compiled step's rounding on a
+    complex parameter, and a NaN both steps wrote, raised FusionMismatchError on every verified step
+    (found by a fuzzing helper). A wrong complex update is still a difference."""
+    from bagua_integrations._verify import _relative_difference
+
+    gen = torch.Generator().manual_seed(0)
+    before = torch.randn(64, generator=gen, dtype=torch.cfloat)
+    expected = before * 0.99
+    ulp = torch.finfo(torch.float32).eps
+    assert _relative_difference(expected * (1 + ulp), expected, before, allowed=1e-3) <= 1e-3
+    nan = expected.clone()
+    nan[3] = complex(float("nan"), 0.0)
+    assert _relative_difference(nan.clone(), nan, before, allowed=1e-3) == 0.0
+    assert _relative_difference(expected, nan, before, allowed=1e-3) > 1e-3  # a NaN on one side only
+    assert _relative_difference(expected * 1.001, expected, before, allowed=1e-3) > 1e-3
+    assert _relative_difference(expected.conj().resolve_conj(), expected, before, allowed=1e-3) > 1e-3
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_verified_steps_on_complex_parameters_pass_and_stay_exact(compile):
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(16, 9, generator=gen, dtype=torch.cfloat)
+    plain, fused = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    plain_opt = torch.optim.AdamW([plain], lr=1e-2)
+    opt = fuse_optimizer(torch.optim.AdamW([fused], lr=1e-2), compile=compile, verify=1)
+    for _ in range(5):
+        x = torch.randn(4, 9, generator=gen, dtype=torch.cfloat)
+        for p, o, step in ((plain, plain_opt, plain_opt.step), (fused, opt, opt.fuse_step)):
+            o.zero_grad()
+            ((x @ p.T).abs() ** 2).mean().backward()
+            step()
+    torch.testing.assert_close(torch.view_as_real(fused.detach()), torch.view_as_real(plain.detach()),
+                               rtol=1e-5 if compile else 1e-6, atol=1e-7)
+
+
 def test_a_reference_step_that_fails_leaves_nothing_applied_and_is_named(monkeypatch):
     """Verification's unfused step raises half-way (after updating the parameters in place): the
     step raises FusionError, and parameters, gradients and state are as they were before it."""
