@@ -126,6 +126,33 @@ def sc_unused_parameters_vs_ddp(rank, world):
     return {"errors": errors, "none_ours": none_ours, "none_theirs": none_theirs}
 
 
+def sc_unfrozen_after_bagua_init(rank, world):
+    """A parameter frozen when the buckets were built, unfrozen two steps later: it has no bucket and
+    no hook, so its gradient stayed each rank's own and the replicas drifted apart silently (0.065
+    after two more steps, found by a fuzzing helper). Now the step is refused on every rank."""
+    from bagua_integrations.distributed import ReducerStateError
+
+    model = MLP()
+    last = list(model.parameters())[-1]
+    last.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped, optimizer = bagua_init(model, optimizer, "gradient_allreduce")
+    outcome = []
+    for step, (x, y) in enumerate(global_batches(4, 4, world)):
+        if step == 2:
+            last.requires_grad_(True)
+        optimizer.zero_grad()
+        loss_fn(wrapped, shard(x, rank, world), shard(y, rank, world)).backward()
+        try:
+            optimizer.step()
+            outcome.append("stepped")
+        except ReducerStateError as exc:
+            outcome.append(str(exc))
+            break
+    wrapped.close()
+    return outcome
+
+
 def sc_backward_skipped_on_one_rank(rank, world):
     """Rank 1 runs forward but no backward at step 1: rank 0 gets half its gradient, nobody hangs."""
     model, reference = MLP(), MLP()
@@ -399,6 +426,12 @@ def test_unused_parameters_match_ddp_find_unused(outcomes):
         # the never-used layer keeps grad None everywhere; the side branch gets a gradient on every rank
         assert all(step[-1] and step[-2] for step in result["none_ours"])
         assert not result["none_ours"][0][4] and result["none_ours"][1][4]
+
+
+def test_a_parameter_unfrozen_after_bagua_init_is_refused_not_left_unaveraged(outcomes):
+    for result in _all(outcomes, "unfrozen_after_bagua_init"):
+        assert result[:2] == ["stepped", "stepped"] and len(result) == 3, result
+        assert "frozen (requires_grad=False) when bagua_init built" in result[2]
 
 
 def test_a_rank_without_backward_contributes_zeros(outcomes):

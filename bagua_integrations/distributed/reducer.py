@@ -95,14 +95,17 @@ class Reducer:
             )
         if message_size <= 0:
             raise AlgorithmConfigError(f"message_size must be a positive number of bytes, got {message_size!r}")
-        seen, trainable = set(), []
+        seen, trainable, frozen = set(), [], []
         for p in params:
-            if p.requires_grad and id(p) not in seen:
+            if id(p) not in seen:
                 seen.add(id(p))
-                trainable.append(p)
+                (trainable if p.requires_grad else frozen).append(p)
         if not trainable:
             raise AlgorithmConfigError("the model has no parameter that requires grad; there is nothing to reduce")
         self.params: List[torch.Tensor] = trainable
+        # frozen when the buckets were built: one unfrozen later has no bucket and no hook, so its
+        # gradient would stay this rank's own and the replicas would drift apart (before_step refuses it)
+        self._frozen = frozen
         self.algorithm = algorithm
         self.group = group
         self.delay_reduce = delay_reduce
@@ -263,6 +266,15 @@ class Reducer:
                     "the optimizer was fused after bagua_init, so the reducer's buckets are not its flat "
                     "buffers; call fuse_optimizer(optimizer) first, then bagua_init(model, optimizer)"
                 )
+        unfrozen = [p for p in self._frozen if p.requires_grad and p.grad is not None]
+        if unfrozen:
+            raise ReducerStateError(
+                f"a parameter of shape {tuple(unfrozen[0].shape)} (and {len(unfrozen) - 1} more) was frozen "
+                "(requires_grad=False) when bagua_init built the gradient buckets and has a gradient now: "
+                "nothing averages it, so the replicas would drift apart. Set requires_grad before bagua_init, "
+                "or after changing it wrap again (ModelSwitchWrapper(...).switch_to(...), or wrapped.close() "
+                "and bagua_init(wrapped.unwrap(), optimizer, ...))"
+            )
         self.flush()
 
     def flush(self) -> None:
