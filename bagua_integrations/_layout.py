@@ -52,6 +52,9 @@ class FusionConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "verify", verify_every(self.verify))  # frozen: set once, here
+        for flag in ("do_flatten", "replace_step", "assume_elementwise"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.on_unsupported not in ON_UNSUPPORTED:
             raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
         if self.compile not in COMPILE_MODES:

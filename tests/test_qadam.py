@@ -320,6 +320,15 @@ def test_qadam_algorithm_refuses_other_optimizers_and_join_and_bare_tensors():
     params = [torch.nn.Parameter(torch.randn(3))]
     with pytest.raises(AlgorithmConfigError, match="QAdam"):
         QAdamAlgorithm().attach(params, torch.optim.Adam(params))
+    # given to the constructor (Bagua's QAdamAlgorithm(q_adam_optimizer)), a torch Adam went on to a
+    # bare KeyError: 'warmup_steps' inside with_bagua
+    for build in (lambda adam: QAdamAlgorithm(adam), lambda adam: QAdamAlgorithm(q_adam_optimizer=adam)):
+        with pytest.raises(AlgorithmConfigError, match="QAdam optimizer and got Adam"):
+            build(torch.optim.Adam(params))
+    qadam = QAdam(params)
+    assert QAdamAlgorithm(q_adam_optimizer=qadam).optimizer is qadam
+    with pytest.raises(AlgorithmConfigError, match="two optimizers"):
+        QAdamAlgorithm(QAdam(params), q_adam_optimizer=qadam)
     algorithm = QAdamAlgorithm()
     optimizer = QAdam(params)
     algorithm.attach(params, [optimizer])

@@ -41,7 +41,7 @@ def _seed_script(rank, world):
     try:
         model = _model()
         optimizer = BertAdam(model.parameters(), lr=0.05, warmup=0.2, t_total=STEPS)
-        optimizer = bagua.contrib.fuse_optimizer(optimizer, do_flatten=True)
+        optimizer = bagua.contrib.fuse_optimizer(optimizer, do_flatten=True, check_flatten=True)
         model = model.with_bagua([optimizer], bagua.DistributedAlgorithm.GradientAllReduce, do_flatten=False)
         for step in range(STEPS):
             x, y = _batch(rank, step)
@@ -50,6 +50,13 @@ def _seed_script(rank, world):
             optimizer.fuse_step()
         ours = [p.detach().clone() for p in model.parameters()]
         saved = optimizer.state_dict()
+        # the seed's "Save": model.state_dict() after with_bagua (Bagua returns the model itself), then
+        # loaded into a fresh model (the wrapper's keys had DDP's "module." prefix: torch's "Missing key(s)")
+        checkpoint = {"model_state_dict": model.state_dict(), "optimizer_state_dict": saved}
+        fresh = _model()
+        fresh.load_state_dict(checkpoint["model_state_dict"])
+        assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), ours))
+        model.load_state_dict({"module." + k: v for k, v in checkpoint["model_state_dict"].items()})  # a DDP one
         model.close()
     finally:
         handle.remove()
@@ -193,3 +200,16 @@ def test_the_seeds_reducer_methods_raise_a_named_error(call):
     with pytest.raises(bagua.NotApplicableError, match="autograd hook"):
         getattr(reducer, call)(*args.get(call, ()))
     reducer.detach()
+
+
+def test_fuse_optimizer_flags_must_be_true_or_false():
+    """Bagua's fuse_optimizer(optimizer, do_flatten=True, check_flatten=True): check_flatten was a bare
+    TypeError (unexpected keyword), and do_flatten='yes' was taken silently."""
+    model = _model()
+    fused = bagua.contrib.fuse_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), check_flatten=False)
+    assert bagua.contrib.is_fused_optimizer(fused)
+    for kwargs in (dict(do_flatten="yes"), dict(check_flatten=1)):
+        with pytest.raises(TypeError, match="must be True or False"):
+            bagua.contrib.fuse_optimizer(torch.optim.SGD(_model().parameters(), lr=0.1), **kwargs)
+    with pytest.raises(TypeError, match="replace_step must be True or False"):
+        bagua.fuse_optimizer(torch.optim.SGD(_model().parameters(), lr=0.1), replace_step="no")

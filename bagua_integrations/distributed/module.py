@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from contextlib import contextmanager
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 
@@ -444,6 +446,21 @@ class BaguaModule(torch.nn.Module, Joinable):
     def unwrap(self) -> torch.nn.Module:
         """The plain model."""
         return self.module
+
+    def state_dict(self, *args, **kwargs):
+        """The plain model's ``state_dict`` (no ``module.`` prefix): Bagua's ``with_bagua`` returns
+        the model itself, so its documented ``torch.save({"model_state_dict": model.state_dict()})``
+        loads into a fresh, unwrapped model."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The plain model's ``load_state_dict``; a checkpoint whose keys all carry the ``module.``
+        prefix (saved from a DDP model) loads too, unless the model has a submodule named ``module``."""
+        prefixed = bool(state_dict) and all(key.startswith("module.") for key in state_dict)
+        if prefixed and not hasattr(self.module, "module"):
+            state_dict = copy.copy(state_dict)  # (with its _metadata: the modules' versions)
+            consume_prefix_in_state_dict_if_present(state_dict, "module.")
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     @contextmanager
     def no_sync(self):

@@ -62,13 +62,20 @@ def _find_qadam(optimizer) -> Optional[QAdam]:
     return None
 
 
+def _not_qadam(optimizer) -> str:
+    return (f"qadam communicates the momentum of a QAdam optimizer and got {type(optimizer).__name__}; "
+            "build the optimizer as bagua_integrations.optim.QAdam(params, lr=..., warmup_steps=...) "
+            "(Bagua's QAdamOptimizer), or pick another algorithm (e.g. bytegrad) for other optimizers")
+
+
 @register_algorithm("qadam")
 class QAdamAlgorithm(GradientAlgorithm):
     """Bagua's QAdam algorithm (``QAdamAlgorithm(optimizer, hierarchical=True)`` in Bagua).
 
     Args:
         optimizer: the :class:`~bagua_integrations.optim.QAdam` to pair with; by default the
-            one ``bagua_init`` (or the fairseq / HF integration) passes.
+            one ``bagua_init`` (or the fairseq / HF integration) passes. ``q_adam_optimizer=`` (Bagua's
+            name) is the same argument.
         hierarchical: average in full precision inside each node and compress only between
             node leaders. Default True (as in Bagua); flat on a single node.
         message_size, timeout: as for :class:`GradientAllReduce`.
@@ -82,9 +89,16 @@ class QAdamAlgorithm(GradientAlgorithm):
     #: the optimizer's unscaled momentum (a loss scaler that unscales after averaging cannot work)
     needs_unscaled_gradients = True
 
-    def __init__(self, optimizer: Optional[QAdam] = None, hierarchical=None, timeout=None, message_size: int = 10_000_000):
+    def __init__(self, optimizer: Optional[QAdam] = None, hierarchical=None, timeout=None, message_size: int = 10_000_000,
+                 *, q_adam_optimizer: Optional[QAdam] = None):
         super().__init__(hierarchical, timeout, message_size)
-        self.optimizer = optimizer
+        if q_adam_optimizer is not None:  # Bagua's name for the argument
+            if optimizer is not None and optimizer is not q_adam_optimizer:
+                raise AlgorithmConfigError("qadam got two optimizers (optimizer and q_adam_optimizer); pass one")
+            optimizer = q_adam_optimizer
+        if optimizer is not None and _find_qadam(optimizer) is None:
+            raise AlgorithmConfigError(_not_qadam(optimizer))
+        self.optimizer = _find_qadam(optimizer) if optimizer is not None else None
         self._group_of = {}  # id(param) -> its param group, as the optimizer holds them now
         self._groups_seen = None  # what _group_of was built from (see _groups)
         # ids of the parameters whose gradient was folded since the optimizer's last step (the step's
@@ -107,11 +121,7 @@ class QAdamAlgorithm(GradientAlgorithm):
             )
         qadam = qadam or self.optimizer
         if qadam is None:
-            raise AlgorithmConfigError(
-                f"qadam communicates the momentum of a QAdam optimizer and got {type(optimizer).__name__}; "
-                "build the optimizer as bagua_integrations.optim.QAdam(params, lr=..., warmup_steps=...) "
-                "(Bagua's QAdamOptimizer), or pick another algorithm (e.g. bytegrad) for other optimizers"
-            )
+            raise AlgorithmConfigError(_not_qadam(optimizer))
         super().attach(params, optimizer, group)
         self._remove_step_hook()
         self.optimizer = qadam
