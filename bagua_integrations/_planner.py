@@ -158,6 +158,16 @@ def _state_signature(state: Dict[str, Any], param: torch.Tensor):
 
 _META = attrgetter("shape", "dtype", "device")
 
+
+def _apart(a: Segmentation, b: Segmentation) -> bool:
+    """Two runs one call can hold: the mode tells their tensors apart by shape."""
+    return a.shape != b.shape and a.scalar_shape != b.scalar_shape
+
+
+def _apart_over_shards(a: Segmentation, b: Segmentation) -> bool:
+    """:func:`_apart` on every rank: runs of one rank of tensors could have equal shapes on another."""
+    return len(a.shape) != len(b.shape) and a.scalar_shape != b.scalar_shape
+
 _NUMBERS = {int, float, bool}
 _PARAM, _GRAD, _GRAD_VIEW, _PARAM_PTR = attrgetter("param"), attrgetter("grad"), attrgetter("grad_view"), attrgetter("param_ptr")
 _TOKEN = attrgetter("token")
@@ -463,8 +473,13 @@ class StepPlanner:
     @staticmethod
     def _add_segmented_call(plan: StepPlan, groups: int, index: int, run: Run) -> None:
         seg = run.segmentation
+        # Over shards every rank must make the same calls (each reduction is an all-reduce), but a
+        # run's shape is its shards' length on this rank: two runs of one rank of tensors may have
+        # equal shapes on one rank only (FSDP2's last shard of a parameter is shorter, or empty), so
+        # there they never share a call (a collective mismatch, or a hang, otherwise).
+        apart = _apart_over_shards if seg.shard_group is not None else _apart
         for params, segs in plan.segmented_calls:
-            if all(s.shape != seg.shape and s.scalar_shape != seg.scalar_shape for s in segs):
+            if all(apart(s, seg) for s in segs):
                 break
         else:
             params, segs = [[] for _ in range(groups)], []
@@ -560,13 +575,16 @@ class StepPlanner:
             self._shaped[proxy_key] = proxy
         proxy.grad = flat_proxy.grad.view(shape)
         pieces = [(slot.start - start, slot.end - start, slot.param.shape) for slot in slots]
-        seg = self._segmentations.get((shape, tuple(pieces)))
+        group = self.layout.config.shard_group
+        # (over shards, equal shards of parameters of other sizes are other segmentations: a mean
+        # divides by the whole parameter's elements)
+        numels = tuple(shard_of(slot.param).numel for slot in slots) if group is not None else None
+        seg = self._segmentations.get((shape, tuple(pieces), numels))
         if seg is None:
-            group = self.layout.config.shard_group
-            numels = [shard_of(slot.param).numel for slot in slots] if group is not None else None
             # runs of equal segment count get different tags, so that one call can hold them all
             tag = min(sum(1 for known in self._segmentations.values() if known.segments == len(pieces)), _MAX_TAG)
-            seg = self._segmentations[(shape, tuple(pieces))] = Segmentation(shape, pieces, group, numels, tag)
+            seg = self._segmentations[(shape, tuple(pieces), numels)] = Segmentation(
+                shape, pieces, group, None if numels is None else list(numels), tag)
         run = Run(buffer, first, last, proxy, segmentation=seg)
         first_state = state.get(slots[0].param)
         if not first_state:

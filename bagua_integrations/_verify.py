@@ -94,7 +94,14 @@ def _relative_difference(got: torch.Tensor, expected: torch.Tensor, before: Opti
     dtype (no float64 copies). The size is taken as at least ``ROUNDING_ULPS`` units in the last
     place of the largest value over ``allowed`` (the tolerance it is compared with): such a difference
     is within that tolerance whatever the update. Complex tensors are compared as their real and
-    imaginary parts (rounding and matching NaNs as for real ones)."""
+    imaginary parts (rounding and matching NaNs as for real ones). FSDP2's sharded parameters and
+    state (DTensors) are compared whole, on every rank (an all-gather each: a rank's own shard may be
+    empty, and every rank must reach the same verdict)."""
+    from ._layout import is_sharded  # (_layout imports this module)
+
+    if is_sharded(got) and is_sharded(expected):
+        got, expected = got.full_tensor(), expected.full_tensor()
+        before = before.full_tensor() if is_sharded(before) else None
     if expected.is_complex() and got.is_complex():
         got, expected = torch.view_as_real(got), torch.view_as_real(expected)
         before = torch.view_as_real(before) if before is not None and before.is_complex() else None

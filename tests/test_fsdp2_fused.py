@@ -620,3 +620,79 @@ def test_a_usual_steps_state_is_followed_for_all_parameters_at_once():
     refused(lambda s, e: s.__setitem__("b", {"step": 1}))  # a parameter got state
     refused(lambda s, e: e.__setitem__("A", dict(e["A"])))  # a shown entry replaced (load_state_dict)
     refused(lambda s, e: s.__setitem__("a", dict(s["a"])))  # the shard optimizer's entry replaced
+
+
+class _Uneven(torch.nn.Module):
+    """Shards whose lengths differ by rank: a layer used on every other step only, and parameters
+    with fewer rows than ranks (an empty shard on some). On two ranks, rank 1's shard of ``sk.weight``
+    (3, 3) and of ``small`` (2, 3) are both one row: runs of equal shape on that rank only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.sk = torch.nn.Linear(8, 7), torch.nn.Linear(7, 3), torch.nn.Linear(3, 3)
+        self.small = torch.nn.Parameter(torch.randn(2, 3))
+        self.one = torch.nn.Parameter(torch.tensor([0.9]))
+
+    def forward(self, x, step):
+        out = (self.l2(torch.tanh(self.l1(x))) + x[:, :2] @ self.small) * self.one
+        if step % 2:
+            out = out + 0.1 * self.sk(out)
+        return out.pow(2).sum()
+
+
+def _uneven_groups(model):
+    """Weights with decay, the rest without (as BERT recipes split them): two groups."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")]},
+            {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0}]
+
+
+def _uneven_shards(rank, world, name, compile, verify=None):
+    """Fused on shards whose runs have equal shapes on some ranks only, against the optimizer's own
+    step on the DTensors or (pytorch-optimizer's Lamb, whose foreach path DTensor cannot run) one
+    unsharded model on the whole batch. Before, ranks split such runs into different calls of the
+    step, so their all-reduces crossed: a hang (pytorch-optimizer Lamb) or gloo's 'collective
+    mismatch' abort (compiled LAMB). ``verify``: verification mode, which compared each rank's shards
+    and raised a bare RuntimeError (amax of no elements) on the rank whose shard of ``one`` is empty."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from bagua_integrations import fuse_optimizer
+
+    def sharded():
+        model, mesh = _Uneven(), init_device_mesh("cpu", (world,))
+        for layer in (model.l1, model.l2, model.sk):
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def train(model, opt, ranks):
+        for i in range(6):
+            (sum(model(_batch(r, i), i) for r in ranks) / len(ranks)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = sharded()
+    opt = fuse_optimizer(_make(name, _uneven_groups(model)), replace_step=True, compile=compile, verify=verify)
+    train(model, opt, [rank])
+    if name.startswith("pytorch_optimizer."):
+        reference = _Uneven()
+        train(reference, _make(name, _uneven_groups(reference)), range(world))
+        expected = [p.detach() for p in reference.parameters()]
+    else:
+        reference = sharded()
+        train(reference, _make(name, _uneven_groups(reference)), [rank])
+        expected = _full(reference)
+    return _worst(_full(model), expected)
+
+
+@pytest.mark.parametrize("name,compile,verify", [("pytorch_optimizer.Lamb", False, None), ("lamb", True, None),
+                                                 ("lamb", False, 1)], ids=["foreach", "compiled", "verified"])
+def test_shards_of_uneven_length_make_the_same_collectives_on_every_rank(name, compile, verify):
+    from _dist_utils import run_ranks, values
+
+    if name.startswith("pytorch_optimizer."):
+        pytest.importorskip("pytorch_optimizer")
+    results = run_ranks(_uneven_shards, 2, (name, compile, verify), timeout=180, env={"OMP_NUM_THREADS": "1"})
+    for worst in values(results):
+        assert worst < RTOL, f"{name}: relative difference {worst:.2e}"
