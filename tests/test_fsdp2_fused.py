@@ -641,6 +641,21 @@ class _Uneven(torch.nn.Module):
         return out.pow(2).sum()
 
 
+class _CenteredSGD(torch.optim.Optimizer):
+    """SGD on the gradient minus its mean over the whole parameter: a mean divides by the whole
+    parameter's elements, which over shards only the segmentation knows."""
+
+    def __init__(self, params, lr=1e-2, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad - p.grad.mean(), alpha=-group["lr"])
+
+
 def _uneven_groups(model):
     """Weights with decay, the rest without (as BERT recipes split them): two groups."""
     named = list(model.named_parameters())
@@ -672,8 +687,9 @@ def _uneven_shards(rank, world, name, compile, verify=None):
             opt.step()
             opt.zero_grad()
 
+    make = _CenteredSGD if name == "centered" else functools.partial(_make, name)
     model = sharded()
-    opt = fuse_optimizer(_make(name, _uneven_groups(model)), replace_step=True, compile=compile, verify=verify)
+    opt = fuse_optimizer(make(_uneven_groups(model)), replace_step=True, compile=compile, verify=verify)
     train(model, opt, [rank])
     if name.startswith("pytorch_optimizer."):
         reference = _Uneven()
@@ -681,13 +697,14 @@ def _uneven_shards(rank, world, name, compile, verify=None):
         expected = [p.detach() for p in reference.parameters()]
     else:
         reference = sharded()
-        train(reference, _make(name, _uneven_groups(reference)), [rank])
+        train(reference, make(_uneven_groups(reference)), [rank])
         expected = _full(reference)
     return _worst(_full(model), expected)
 
 
 @pytest.mark.parametrize("name,compile,verify", [("pytorch_optimizer.Lamb", False, None), ("lamb", True, None),
-                                                 ("lamb", False, 1)], ids=["foreach", "compiled", "verified"])
+                                                 ("lamb", False, 1), ("centered", False, None)],
+                         ids=["foreach", "compiled", "verified", "mean"])
 def test_shards_of_uneven_length_make_the_same_collectives_on_every_rank(name, compile, verify):
     from _dist_utils import run_ranks, values
 
