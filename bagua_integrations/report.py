@@ -11,18 +11,20 @@ three steps beside an unfused copy, and prints which path each param group takes
   could not be fused).
 
 It also prints the largest difference from the unfused optimizer over those steps, which is
-zero up to floating-point rounding on every path. Exit status: 0, or 2 when the class cannot be
-imported or built.
+zero up to floating-point rounding on every path. An optimizer whose step needs a closure (L-BFGS)
+is stepped with one. Exit status: 0, or 2 when the class cannot be imported or built.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import sys
+import typing
 import warnings
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -55,35 +57,114 @@ def _load(spec: str):
     return obj
 
 
+class ReportError(Exception):
+    """Why the report cannot build or step a class, in the command line's words."""
+
+
+def _takes_what(annotation) -> Optional[str]:
+    """'another optimizer' or 'a model' when a parameter annotation names an Optimizer or a Module
+    (also inside ``type[...]`` or a union), else None."""
+    if isinstance(annotation, type):
+        if issubclass(annotation, torch.optim.Optimizer):
+            return "another optimizer"
+        return "a model" if issubclass(annotation, torch.nn.Module) else None
+    return next(filter(None, map(_takes_what, typing.get_args(annotation))), None)
+
+
+def _why_not_built(cls, exc: Exception, params, kwargs: dict) -> Optional[str]:
+    """Why ``cls(params, **kwargs)`` raised ``exc``, in the user's words (None: the raw error says it)."""
+    signature = []
+    for eval_str in (True, False):  # annotations written as strings (from __future__ import annotations) too
+        try:
+            signature = list(inspect.signature(cls, eval_str=eval_str).parameters.values())
+            break
+        except Exception:
+            continue
+    required = [p for p in signature[1:] if p.default is p.empty and p.name not in kwargs
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    # the argument our parameters went to, then the ones left out: does one take an optimizer or a model?
+    takes = [(what, p.name) for p in signature[:1] + required if (what := _takes_what(p.annotation))]
+    if not takes and isinstance(exc, AttributeError) and getattr(exc, "obj", None) is params:
+        # it looked up an attribute of an optimizer (param_groups, defaults) or a model on our parameters
+        takes = [("a model" if hasattr(torch.nn.Module, exc.name or "") else "another optimizer", None)]
+    name = cls.__name__
+    if takes:
+        what, argument = takes[0]
+        via = f" (its '{argument}' argument)" if argument else ""
+        if what == "another optimizer":
+            return (f"{name} wraps another optimizer{via}, so the report cannot build it from parameters; "
+                    "fuse the optimizer it wraps instead, and run the report on that class")
+        return (f"{name} takes a model{via}, so the report cannot build it from parameters; build it over "
+                "your model and read fusion_report(fuse_optimizer(optimizer)) there")
+    if isinstance(exc, TypeError) and required:
+        example = [f'"{k}": {json.dumps(v)}' for k, v in kwargs.items()] + [f'"{p.name}": ...' for p in required]
+        return (f"{name} needs argument(s) the report cannot guess ({', '.join(p.name for p in required)}): "
+                f"pass them with --kwargs, e.g. --kwargs '{{{', '.join(example)}}}'")
+    return None
+
+
+def _build(cls, model: torch.nn.Module, kwargs: dict):
+    params = model.parameters()
+    try:
+        return cls(params, **kwargs)
+    except Exception as exc:
+        why = _why_not_built(cls, exc, params, kwargs)
+        if why is None:
+            raise
+        raise ReportError(why) from exc
+
+
 def describe(cls, kwargs: Optional[dict] = None, steps: int = 3) -> List[str]:
     """Lines saying how a fused ``cls(params, **kwargs)`` steps each param group, and how far it is
-    from the unfused optimizer after ``steps`` steps."""
+    from the unfused optimizer after ``steps`` steps (given a closure where its step needs one)."""
     kwargs = dict(kwargs or {})
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(4, 3, 5, 5, generator=gen), torch.randn(4, 2, generator=gen)) for _ in range(steps)]
 
-    def train(fused: bool):
+    def train(fused: bool, with_closure: bool) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         # each from the same random state: an optimizer that draws random numbers (Gravity's initial
         # state) draws the same ones fused as unfused (they looked 12x apart)
         with torch.random.fork_rng(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.manual_seed(0)
             model = _ProbeNet()
-            opt = cls(model.parameters(), **kwargs)
+            opt = _build(cls, model, kwargs)
             step = fuse_optimizer(opt).fuse_step if fused else opt.step
             for x, y in data:
-                opt.zero_grad(set_to_none=True)
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                step()
+                @torch.enable_grad()  # some steps call their closure under no_grad (AliG)
+                def closure(x=x, y=y):
+                    opt.zero_grad(set_to_none=True)
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    return loss
+
+                if with_closure:
+                    step(closure)
+                else:
+                    closure()
+                    step()
         return model, opt
 
-    (plain_model, _), (fused_model, fused) = train(False), train(True)
+    # a step that fails without a closure (L-BFGS's needs one) is tried with one
+    try:
+        plain_model, _ = train(False, with_closure=False)
+        with_closure = False
+    except ReportError:
+        raise
+    except Exception as exc:
+        try:
+            plain_model, _ = train(False, with_closure=True)
+        except Exception:
+            raise exc from None
+        with_closure = True
+    fused_model, fused = train(True, with_closure)
     worst = max(
         float(((a.detach() - b.detach()).abs() / a.detach().abs().clamp_min(1e-12)).max())
         for a, b in zip(plain_model.parameters(), fused_model.parameters())
     )
     report = fusion_report(fused)
-    lines = [f"{cls.__module__}.{cls.__qualname__}"]
+    closure_note = " (stepped with a closure: its step needs one)" if with_closure else ""
+    lines = [f"{cls.__module__}.{cls.__qualname__}{closure_note}"]
     for index, (path, why) in enumerate(zip(report.group_paths, report.group_why)):
         lines.append(f"  param group {index}: {path} -- {why}")
     lines.append(f"  largest relative difference from the unfused optimizer after {steps} steps: {worst:.1e}")
@@ -100,8 +181,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         cls = _load(args.optimizer)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ReportError(f"{args.optimizer} is not a torch.optim.Optimizer subclass; name an optimizer "
+                              "class, e.g. torch.optim:AdamW")
+        if cls is torch.optim.Optimizer:
+            raise ReportError(f"{args.optimizer} is the base class of all optimizers; name an optimizer class, "
+                              "e.g. torch.optim:AdamW")
         kwargs = json.loads(args.kwargs)
         lines = describe(cls, kwargs)
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # a command-line tool: say what went wrong, in one line
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

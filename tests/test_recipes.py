@@ -530,3 +530,64 @@ def test_cli_errors_are_named(capsys):
         main(["--train-file", "x.tsv"])
     with pytest.raises(SystemExit, match="unknown --bagua-algorithm"):
         main(["--bagua-algorithm", "nope"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "0"], "argument --batch-size: must be a whole number >= 1, got '0'"),
+    (["--batch-size", "x"], "argument --batch-size: must be a whole number >= 1, got 'x'"),
+    (["--train-size", "0"], "argument --train-size: must be a whole number >= 1, got '0'"),
+    (["--valid-size", "0"], "argument --valid-size: must be a whole number >= 1, got '0'"),
+    (["--threads", "0"], "argument --threads: must be a whole number >= 1, got '0'"),
+    (["--nproc", "0", "--frontend", "fairseq"], "argument --nproc: must be a whole number >= 1, got '0'"),
+    (["--max-seq-len", "1"], "argument --max-seq-len: must be a whole number >= 3 ([CLS], [SEP] and at least one word)"),
+    (["--max-seq-len", "2"], "argument --max-seq-len: must be a whole number >= 3"),
+    (["--epochs", "0"], "argument --epochs: must be a positive number, got '0'"),
+    (["--epochs", "-1"], "argument --epochs: must be a positive number, got '-1'"),
+    (["--epochs", "nan"], "argument --epochs: must be a positive number, got 'nan'"),
+    (["--lr", "-1"], "argument --lr: must be a positive number, got '-1'"),
+    (["--lr", "inf"], "argument --lr: must be a positive number, got 'inf'"),
+    (["--seed", "-5"], "argument --seed: must be a whole number from 0 to 4294967295, got '-5'"),
+    (["--seed", str(2**32)], "argument --seed: must be a whole number from 0 to 4294967295"),
+    (["--rows", ","], "--rows ',' names no row: name at least one, e.g. --rows default"),
+    (["--frontend", "hf", "--fsdp"], "--fsdp (the same as --frontend fsdp) contradicts --frontend hf: pass only one of them"),
+    (["--frontend", "both", "--fsdp"], "--fsdp (the same as --frontend fsdp) contradicts --frontend both"),
+    (["--model", "/nonexistent"], "--model /nonexistent is not a directory: it must be a local HF checkpoint directory"),
+])
+def test_cli_refuses_bad_values_before_training(monkeypatch, capsys, args, message):
+    """Each is an argparse error (exit status 2, one line naming the flag and what it accepts), never a
+    traceback in the middle of training or a table of nonsense (they were, in a QA pass)."""
+    from recipes.bert_benchmark import cli
+
+    def no_training(*_args, **_kwargs):
+        raise AssertionError(f"{args} was accepted: the recipe went on to load data and train")
+
+    monkeypatch.setattr(cli, "load_data", no_training)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"python -m recipes.bert_benchmark: error: {message}" in err, err
+
+
+def test_cli_accepts_the_documented_command_lines(tmp_path):
+    """The command lines of docs/recipes.md, scripts/gpu_checklist.sh and these tests still parse."""
+    from recipes.bert_benchmark.cli import parse_args
+
+    checkpoint = tmp_path / "bert-base-uncased"
+    checkpoint.mkdir()
+    for argv, frontend in [
+        ([], "hf"),
+        (["--frontend", "both"], "both"),
+        (["--threads", "1", "--no-progress", "--out-dir", str(tmp_path)], "hf"),
+        (["--preset", "bert-base", "--frontend", "both", "--epochs", "0.2"], "both"),
+        (["--preset", "bert-base", "--epochs", "0.05", "--precision", "bf16"], "hf"),
+        (["--train-file", "train.tsv", "--valid-file", "dev.tsv", "--model", str(checkpoint)], "hf"),
+        (["--fsdp", "--rows", "bertadam,bertadam-fused-eager"], "fsdp"),
+        (["--frontend", "fsdp", "--fsdp"], "fsdp"),
+        (["--rows", "qadam-fused-eager", "--bagua-algorithm", "qadam"], "hf"),
+        (["--bagua-algorithm", "async", "--bagua-algorithm-args", '{"sync_interval_ms": 0}'], "hf"),
+        (["--frontend", "fairseq", "--nproc", "2", "--bagua-algorithm", "decentralized"], "fairseq"),
+        (["--rows", "default,bertadam-globalclip", "--epochs", "3", "--lr", "1e-4", "--batch-size", "1"], "hf"),
+        (["--rows", "", "--seed", str(2**32 - 1), "--max-seq-len", "3", "--train-size", "1", "--valid-size", "1"], "hf"),
+    ]:
+        assert parse_args(argv).frontend == frontend, argv

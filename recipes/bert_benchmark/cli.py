@@ -26,9 +26,40 @@ from .report import SEED_REFERENCE, add_speedups, markdown_table, write_json, wr
 from .results import RowResult, describe_hardware, hardware
 from .rows import DEFAULT_ROWS, ROWS, parse_rows
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "parse_args"]
 
 FRONTENDS = ("hf", "fairseq", "both", "fsdp")
+MAX_SEED = 2**32 - 1  # numpy's and HF's set_seed's limit
+
+
+def _whole_number(low: int, high: Optional[int] = None, why: str = ""):
+    """An argparse type: an integer in ``[low, high]``; argparse names the flag in front of the message."""
+    allowed = f"a whole number from {low} to {high}" if high is not None else f"a whole number >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}{why}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _positive_number(text: str) -> float:
+    """An argparse type: a finite float > 0 (not 0, negative, nan or inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+_positive_int = _whole_number(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                         help="model/data/training size: 'cpu' (default, a few minutes on a laptop CPU), "
                         "'bert-base' (BERT-base, for GPUs), 'tiny' (seconds; smoke test)")
-    parser.add_argument("--frontend", choices=FRONTENDS, default="hf",
+    parser.add_argument("--frontend", choices=FRONTENDS, default=None,
                         help="HF Trainer (hf, default), fairseq-train (fairseq), both, or fsdp: a plain PyTorch loop "
                         "over the model sharded by FSDP2's fully_shard (CPU gloo by default; torchrun for several processes)")
     parser.add_argument("--fsdp", action="store_true", help="the same as --frontend fsdp")
@@ -59,17 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="local HF checkpoint directory (config, weights, tokenizer) for the HF front end; "
                       "never downloaded")
     size = parser.add_argument_group("overrides of the preset")
-    size.add_argument("--epochs", type=float, default=None,
+    size.add_argument("--epochs", type=_positive_number, default=None,
                       help="epochs to train; a fraction (e.g. 0.1) trains part of an epoch and extrapolates the epoch time")
-    size.add_argument("--batch-size", type=int, default=None, help="per device")
-    size.add_argument("--lr", type=float, default=None)
-    size.add_argument("--train-size", type=int, default=None, help="generated training sentences")
-    size.add_argument("--valid-size", type=int, default=None, help="generated validation sentences")
-    size.add_argument("--max-seq-len", type=int, default=None, help="tokens per sentence incl. [CLS]/[SEP]")
+    size.add_argument("--batch-size", type=_positive_int, default=None, help="per device")
+    size.add_argument("--lr", type=_positive_number, default=None)
+    size.add_argument("--train-size", type=_positive_int, default=None, help="generated training sentences")
+    size.add_argument("--valid-size", type=_positive_int, default=None, help="generated validation sentences")
+    size.add_argument("--max-seq-len", type=_whole_number(3, why=" ([CLS], [SEP] and at least one word)"), default=None,
+                      help="tokens per sentence incl. [CLS]/[SEP]")
     run = parser.add_argument_group("run")
-    run.add_argument("--seed", type=int, default=0, help="model init, data order and generated data")
+    run.add_argument("--seed", type=_whole_number(0, MAX_SEED), default=0,
+                     help="model init, data order and generated data")
     run.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    run.add_argument("--threads", type=int, default=None,
+    run.add_argument("--threads", type=_positive_int, default=None,
                      help="CPU threads for torch (default: torch's choice). On a machine shared with other jobs, "
                      "--threads 1 gives far steadier timings")
     run.add_argument("--bagua-algorithm", default=None,
@@ -78,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bagua-algorithm-args", default=None, metavar="JSON",
                      help="the algorithm's keyword arguments as a JSON object, e.g. '{\"sync_interval_ms\": 0}' "
                      "(fairseq rows: each becomes --bagua-<name> VALUE)")
-    run.add_argument("--nproc", type=int, default=None,
+    run.add_argument("--nproc", type=_positive_int, default=None,
                      help="fairseq front end: processes for fairseq-train (default: the recipe's own world size)")
     run.add_argument("--fairseq-timeout", type=float, default=None, help="seconds per fairseq-train row")
     run.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -123,8 +156,24 @@ def load_data(args, preset: Preset):
     return train, valid, tokenizer, description
 
 
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line, with the checks one flag's type cannot make (argparse errors, exit status 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.fsdp and args.frontend not in (None, "fsdp"):
+        parser.error(f"--fsdp (the same as --frontend fsdp) contradicts --frontend {args.frontend}: "
+                     "pass only one of them")
+    args.frontend = "fsdp" if args.fsdp else args.frontend or "hf"
+    if args.model is not None and not os.path.isdir(args.model):
+        parser.error(f"--model {args.model} is not a directory: it must be a local HF checkpoint directory "
+                     "(config, weights, tokenizer); nothing is downloaded")
+    if args.rows is not None and args.rows.strip() and not [k for k in args.rows.split(",") if k.strip()]:
+        parser.error(f"--rows {args.rows!r} names no row: name at least one, e.g. --rows default")
+    return args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     rank, world = _rank_world()
     if args.threads:
         import torch
@@ -153,8 +202,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"error: --bagua-algorithm-args is not JSON ({exc})") from None
         if not isinstance(algorithm_args, dict):
             raise SystemExit("error: --bagua-algorithm-args must be a JSON object of keyword arguments")
-    if args.fsdp:
-        args.frontend = "fsdp"
     frontends = ["hf", "fairseq"] if args.frontend == "both" else [args.frontend]
     out_dir = args.out_dir or os.path.join("results", "bert_benchmark", preset.name)
     train, valid, tokenizer, data_description = load_data(args, preset)
