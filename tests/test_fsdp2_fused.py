@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _dist_utils import fsdp2_runs_on_cpu
+from _fused_utils import PerParameterStep
 
 if not torch.distributed.is_available() or not fsdp2_runs_on_cpu():
     pytest.skip("FSDP2 does not run on CPU with this torch (torch.cpu.Stream.record_event)", allow_module_level=True)
@@ -641,19 +642,15 @@ class _Uneven(torch.nn.Module):
         return out.pow(2).sum()
 
 
-class _CenteredSGD(torch.optim.Optimizer):
+class _CenteredSGD(PerParameterStep):
     """SGD on the gradient minus its mean over the whole parameter: a mean divides by the whole
     parameter's elements, which over shards only the segmentation knows."""
 
     def __init__(self, params, lr=1e-2, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        super().__init__(params, lr=lr, weight_decay=weight_decay)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad - p.grad.mean(), alpha=-group["lr"])
+    def update(self, p, state, group):
+        p.add_(p.grad - p.grad.mean(), alpha=-group["lr"])
 
 
 def _uneven_groups(model):

@@ -10,24 +10,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _fused_utils import PerParameterStep
 from bagua_integrations.report import main as report_main
 
 HERE = __name__  # the MODULE of MODULE:CLASS for the classes defined here
 
 
-class NeedsHorizon(torch.optim.Optimizer):
+class NeedsHorizon(PerParameterStep):
     """Plain SGD with a required constructor argument (Ranger21-style ``num_iterations``)."""
 
     def __init__(self, params, horizon: int, lr: float = 0.1):
         self.horizon = horizon
-        super().__init__(params, dict(lr=lr))
+        super().__init__(params, lr=lr)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"])
+    def update(self, p, state, group):
+        p.add_(p.grad, alpha=-group["lr"])
 
 
 class AnnotatedWrapper(torch.optim.Optimizer):
