@@ -96,9 +96,9 @@ class QAdamAlgorithm(GradientAlgorithm):
             if optimizer is not None and optimizer is not q_adam_optimizer:
                 raise AlgorithmConfigError("qadam got two optimizers (optimizer and q_adam_optimizer); pass one")
             optimizer = q_adam_optimizer
-        if optimizer is not None and _find_qadam(optimizer) is None:
-            raise AlgorithmConfigError(_not_qadam(optimizer))
         self.optimizer = _find_qadam(optimizer) if optimizer is not None else None
+        if optimizer is not None and self.optimizer is None:
+            raise AlgorithmConfigError(_not_qadam(optimizer))
         self._group_of = {}  # id(param) -> its param group, as the optimizer holds them now
         self._groups_seen = None  # what _group_of was built from (see _groups)
         # ids of the parameters whose gradient was folded since the optimizer's last step (the step's
