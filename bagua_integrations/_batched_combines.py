@@ -4,7 +4,8 @@ Under FSDP2 a segmented step combines each reduction's per-segment partial value
 ``_segmented.segment_combine``: one all-reduce per reduction and run. LAMB on BERT-base makes four a
 step (two norms, for the run of matrices and the run of vectors), and each waits for every rank: on
 2 gloo ranks they were 115 of the 170 ms of 30 steps of a small model. The four do not depend on one
-another, so they can travel together.
+another, so they can travel together. (An eager step cannot look ahead: it holds each reduction
+until the step first uses one, ``_segmented._PendingCombines``, which makes one all-reduce per run.)
 
 :class:`BatchCombines` is an Inductor post-grad pass: on the functional graph Inductor compiles, it
 groups the ``segment_combine`` calls that share a process group and that no other of them feeds
@@ -25,7 +26,7 @@ from typing import Dict, List
 import torch
 
 from ._early_stores import is_input_mutation
-from ._segmented import _BY_KEY, all_reduce_over_shards, segment_values
+from ._segmented import _BY_KEY, all_reduce_together, segment_values
 
 __all__ = ["segment_combine_many", "batch_combines"]
 
@@ -38,16 +39,10 @@ def segment_combine_many(partials: List[torch.Tensor], keys: str, hows: str) -> 
     keys, hows = keys.split(","), hows.split(",")
     values = [segment_values(part, _BY_KEY[key], how) for part, key, how in zip(partials, keys, hows)]
     shards = _BY_KEY[keys[0]].shard_group
-    if shards is not None:
-        together: Dict[tuple, List[int]] = {}
-        for index, (value, how) in enumerate(zip(values, hows)):
-            together.setdefault((how, value.dtype), []).append(index)
-        for (how, _), indices in together.items():  # (insertion order: the same on every rank)
-            flat = torch.cat([values[i] for i in indices])
-            flat = all_reduce_over_shards(flat, how, shards)
-            for i, part in zip(indices, flat.split([values[i].numel() for i in indices])):
-                values[i] = part.clone()  # (outputs of a custom operator may not share memory)
-    return values
+    if shards is None:
+        return values
+    # (outputs of a custom operator may not share memory)
+    return [part.clone() for part in all_reduce_together(values, hows, shards)]
 
 
 @segment_combine_many.register_fake

@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from ._foreach import element_calls
 
 __all__ = ["Segmentation", "SegmentedMode", "StepNotes", "NotSegmentable", "BranchesDisagree", "SizesDisagree",
-           "segment_views", "MAX_RANK", "segment_scalar_shape", "size_key", "state_kind"]
+           "segment_views", "MAX_RANK", "all_reduce_together", "segment_scalar_shape", "size_key", "state_kind"]
 
 MAX_RANK = 4  # proxies have rank 1..4; segment scalars rank 5, 7, 9, ... and lists over runs 6: they never collide
 _SCALAR_TRAILING = (1,) * MAX_RANK
@@ -398,6 +398,20 @@ def all_reduce_over_shards(values: torch.Tensor, how: str, shards: ShardGroup) -
     return moved.to(values.device)
 
 
+def all_reduce_together(values: List[torch.Tensor], hows: List[str], shards: ShardGroup) -> List[torch.Tensor]:
+    """Each of ``values`` combined by its ``how`` across the ranks of ``shards``: one all-reduce per
+    reduce operation and dtype for all of them (in the order first met: the same on every rank)."""
+    together: Dict[tuple, List[int]] = {}
+    for index, (value, how) in enumerate(zip(values, hows)):
+        together.setdefault((how, value.dtype), []).append(index)
+    combined = list(values)
+    for (how, _), indices in together.items():
+        flat = all_reduce_over_shards(torch.cat([values[i] for i in indices]), how, shards)
+        for i, part in zip(indices, flat.split([values[i].numel() for i in indices])):
+            combined[i] = part
+    return combined
+
+
 @torch.library.custom_op("bagua_integrations::segment_combine", mutates_args=())
 def segment_combine(partials: torch.Tensor, key: str, how: str) -> torch.Tensor:
     """``how`` ("sum", "amax" or "amin") over each segment's block partials: one value per segment.
@@ -430,6 +444,20 @@ def _blockwise(x: torch.Tensor, seg: "Segmentation", neutral: float) -> torch.Te
 
 def _compiled_reduction(name: str, ord: float, x: torch.Tensor, other: Optional[torch.Tensor], seg) -> torch.Tensor:
     """``name`` of each segment of ``x`` as a segment scalar, built from block partials."""
+    how, part, finish = _block_partials(name, ord, x, other, seg)
+    return _finished(segment_combine(part, seg.key, how), finish, x.dtype, seg)
+
+
+def _finished(values: torch.Tensor, finish, dtype: torch.dtype, seg) -> torch.Tensor:
+    """Combined segment values made the reduction's result: ``finish`` (a root, a division), dtype, shape."""
+    if finish is not None:
+        values = finish(values)
+    return values.to(dtype).reshape(seg.scalar_shape)
+
+
+def _block_partials(name: str, ord: float, x: torch.Tensor, other: Optional[torch.Tensor], seg):
+    """``(how, partials, finish)``: each block's partial value of ``name``, how they combine ("sum",
+    "amax", "amin"), and what turns the combined values into the reduction's (None: nothing)."""
     finish = None
     if name == "vector_norm":
         if ord == _INF:
@@ -451,10 +479,50 @@ def _compiled_reduction(name: str, ord: float, x: torch.Tensor, other: Optional[
     else:  # amax, amin
         how = name
         part = getattr(_blockwise(x, seg, -_INF if name == "amax" else _INF), name)(1)
-    values = segment_combine(part, seg.key, how)
-    if finish is not None:
-        values = finish(values)
-    return values.to(x.dtype).reshape(seg.scalar_shape)
+    return how, part, finish
+
+
+class _PendingCombines:
+    """Reductions over shards whose values an eager step has not used yet, combined across ranks
+    together when it first does: one all-reduce per reduce operation and dtype, as the compiled
+    step's :mod:`._batched_combines` makes. (LAMB's weight and update norms do not depend on each
+    other: both are taken before the trust ratio reads either.)
+
+    Each reduction returns its result tensor at once, filled with NaN until :meth:`flush` writes the
+    combined value into it. :class:`SegmentedMode` flushes before any call that is given one of them,
+    and when the step ends. Every rank runs the same calls, so every rank flushes at the same points
+    with the same reductions pending."""
+
+    def __init__(self):
+        self.pending: List[Tuple[torch.Tensor, str, Any, Any, Segmentation, torch.Tensor]] = []
+        self.results: set = set()  # ids of the pending results
+
+    def add(self, how: str, part: torch.Tensor, finish, dtype: torch.dtype, seg: Segmentation) -> torch.Tensor:
+        result = torch.full(seg.scalar_shape, float("nan"), dtype=dtype, device=part.device)
+        self.pending.append((segment_values(part, seg, how), how, finish, seg, result))
+        self.results.add(id(result))
+        return result
+
+    def needed_by(self, leaves: List[Any]) -> bool:
+        results = self.results
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and id(leaf) in results:
+                return True
+        return False
+
+    def flush(self) -> None:
+        """Combine every pending reduction across the ranks and fill in its result."""
+        pending, self.pending, self.results = self.pending, [], set()
+        for seg in {id(entry[3].shard_group): entry[3] for entry in pending}.values():  # (one group, as a rule)
+            mine = [entry for entry in pending if entry[3].shard_group is seg.shard_group]
+            combined = all_reduce_together([values for values, *_ in mine], [how for _, how, *_ in mine],
+                                           seg.shard_group)
+            for (_, _, finish, seg_i, result), values in zip(mine, combined):
+                result.copy_(_finished(values, finish, result.dtype, seg_i))
+
+    def drop(self) -> None:
+        """Forget the pending reductions (a step that stopped with an error: every rank stops alike)."""
+        self.pending, self.results = [], set()
 
 
 def _reduce_scalars(name: str, x: torch.Tensor, other: Optional[torch.Tensor], ord: float, seg) -> torch.Tensor:
@@ -647,6 +715,7 @@ class SegmentedMode(TorchFunctionMode):
         self.wrote_guarded = False
         self.lone_lists_over_runs = lone_lists_over_runs
         self.notes = notes if notes is not None else StepNotes()
+        self.pending_combines = _PendingCombines()  # (eager steps over shards)
         segmentations = list(segmentations)
         self.known_reductions_only = known_reductions_only or any(s.shard_group is not None for s in segmentations)
         self.by_shape: Dict[Tuple[int, ...], Segmentation] = {}
@@ -746,9 +815,20 @@ class SegmentedMode(TorchFunctionMode):
             return "stack", stacked
         return "plain", None
 
+    def __exit__(self, exc_type, exc, tb):
+        result = super().__exit__(exc_type, exc, tb)
+        if self.pending_combines.pending:  # (after leaving the mode: the flush's own calls are plain)
+            if exc_type is None:
+                self.pending_combines.flush()
+            else:
+                self.pending_combines.drop()
+        return result
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = _leaves((args, kwargs), [])
+        if self.pending_combines.pending and self.pending_combines.needed_by(leaves):
+            self.pending_combines.flush()
         segs: Dict[int, Segmentation] = {}
         stacks: Dict[int, "_Stacked"] = {}
         kinds = set()
@@ -970,9 +1050,13 @@ class SegmentedMode(TorchFunctionMode):
         shapes = {tuple(t.shape) for t in tensors}
         other = tensors[1] if len(tensors) > 1 else None
         if shapes == {seg.shape}:
-            if not torch.compiler.is_compiling():
-                seg.index_blocks(tensors[0].device)  # (eager: built once, kept)
-            return _compiled_reduction(name, ord, tensors[0], other, seg)
+            if torch.compiler.is_compiling():
+                return _compiled_reduction(name, ord, tensors[0], other, seg)
+            seg.index_blocks(tensors[0].device)  # (eager: built once, kept)
+            if seg.shard_group is None:
+                return _compiled_reduction(name, ord, tensors[0], other, seg)
+            how, part, finish = _block_partials(name, ord, tensors[0], other, seg)
+            return self.pending_combines.add(how, part, finish, tensors[0].dtype, seg)
         if shapes == {seg.scalar_shape}:
             return _reduce_scalars(name, tensors[0], other, ord, seg)
         raise NotSegmentable(f"{_name(func)} mixes per-parameter values and runs")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 import tempfile
 
 import pytest
@@ -236,14 +237,14 @@ def _norms_of_local_shards_only(rank, world, name):
         dist.all_reduce = real
 
 
-def _collectives_per_compiled_step(rank, world, name):
-    """All-reduces a compiled step over shards makes, counted over 3 steps after the first ones."""
+def _collectives_per_step(rank, world, name, compile=True):
+    """All-reduces a (compiled) step over shards makes, counted over 3 steps after the first ones."""
     import torch.distributed as dist
 
     from bagua_integrations import fuse_optimizer, fusion_report
 
     model = _model(world)
-    opt = fuse_optimizer(_make(name, model.parameters()), replace_step=True, compile=True)
+    opt = fuse_optimizer(_make(name, model.parameters()), replace_step=True, compile=compile)
     _train(model, opt, 3, rank)
     real, calls = dist.all_reduce, []
     dist.all_reduce = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
@@ -303,6 +304,9 @@ def _dcp_resume(rank, world, name, offload=False):
     dcp.load(loaded, checkpoint_id=path[0])
     set_state_dict(resumed, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     _train(resumed, opt, STEPS - 3, rank, start=3)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0])
     return _worst(_full(resumed), _full(uninterrupted))
 
 
@@ -388,7 +392,9 @@ SCENARIOS = {
     **{f"broken-{name}": functools.partial(_norms_of_local_shards_only, name=name)
        for name in ("bertadam", "lamb", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS")},
     "state-dict-into-unfused": _state_dict_into_unfused,
-    **{f"collectives-{name}": functools.partial(_collectives_per_compiled_step, name=name) for name in ("bertadam", "lamb")},
+    **{f"collectives-{name}": functools.partial(_collectives_per_step, name=name) for name in ("bertadam", "lamb")},
+    **{f"eager-collectives-{name}": functools.partial(_collectives_per_step, name=name, compile=False)
+       for name in ("bertadam", "lamb")},
     **{f"verify-{name}": functools.partial(_verified, name=name) for name in ("adamw", "bertadam", "lamb")},
     "verify-broken-lamb": functools.partial(_verified, name="lamb", broken=True),
     **{f"big-batch-{name}": functools.partial(_fused_vs_big_batch, name=name)
@@ -474,6 +480,17 @@ def test_one_all_reduce_per_compiled_step_for_all_reductions(name):
     for per_step, compiled, runs in _value(2, f"collectives-{name}"):
         assert compiled and runs == 2, (compiled, runs)
         assert per_step == 1, f"{per_step} all-reduces per step"
+
+
+@pytest.mark.parametrize("name", ["bertadam", "lamb"])
+def test_one_all_reduce_per_run_in_an_eager_step(name):
+    """Eager, the reductions of a run that the step has not used yet travel together: LAMB's weight
+    and update norms in one all-reduce per run (it made two), BertAdam's clipping norm in one. (The
+    step takes a run's trust ratio before the next run's norms: only the compiled step, re-ordered,
+    makes one per step.)"""
+    for per_step, compiled, runs in _value(2, f"eager-collectives-{name}"):
+        assert not compiled and runs == 2, (compiled, runs)
+        assert per_step == runs, f"{per_step} all-reduces per step for {runs} runs"
 
 
 def test_fused_state_dict_loads_into_the_unfused_optimizer():
