@@ -86,7 +86,9 @@ def _median_ms(times) -> float:
     return 1000 * statistics.median(times)
 
 
-def _interleaved(variants, args, rank):
+def _interleaved(variants, args, rank, peers=None):
+    """Time ``variants`` round by round; ratios against the first one in the same round, and with
+    ``peers`` ({variant: other variant}) also ``peer_ratios``: each against its peer in the same round."""
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randn(args.batch, args.width, generator=gen)
@@ -105,7 +107,13 @@ def _interleaved(variants, args, rank):
     ratios = {
         name: _quartiles([t / b for t, b in zip(rounds, base)]) for name, rounds in per_round.items()
     }
-    return {v.name: _median_ms(v.times) for v in variants} | {"ratios": ratios}
+    timings = {v.name: _median_ms(v.times) for v in variants} | {"ratios": ratios}
+    if peers:
+        timings["peer_ratios"] = {
+            name: (peer, _quartiles([t / b for t, b in zip(per_round[name], per_round[peer])]))
+            for name, peer in peers.items() if name in per_round and peer in per_round
+        }
+    return timings
 
 
 def _quartiles(values):

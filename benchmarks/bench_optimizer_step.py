@@ -285,7 +285,7 @@ def cuda_copy_bandwidth(mib: int = CUDA_COPY_MIB, repeats: int = 20) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     seconds = statistics.median(_timed_cuda(lambda: dst.copy_(src))[0] for _ in range(repeats))
-    del src, dst
+    src = dst = None  # (freed before the cache is emptied)
     torch.cuda.empty_cache()
     return 2 * numel * 4 / seconds
 

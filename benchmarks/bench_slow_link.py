@@ -61,9 +61,14 @@ VARIANTS = {
     "qadam_unfused": dict(algorithm="qadam", warmup=QADAM_WARMUP,
                           optimizer=lambda params: bagua_integrations.optim.QAdam(params, lr=1e-3, warmup_steps=QADAM_WARMUP)),
     "async": dict(algorithm="async", kwargs=dict(sync_interval_ms=100)),
+    # DDP with the optimizer QAdam is: the like-for-like peer of qadam (see PEERS), torch's fastest Adam
+    "ddp_adam": dict(algorithm=None, optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, fused=True)),
     # bytegrad as the HF Trainer / Accelerate integration runs it: torch DDP with its communication hook
     "bytegrad_ddp_hook": dict(algorithm=None, ddp_hook="bytegrad"),
 }
+# variant -> the variant it is also compared with, round by round (a second "vs" line under the table):
+# a user choosing between DDP and QAdam trains Adam either way
+PEERS = {"qadam": "ddp_adam", "qadam_unfused": "ddp_adam"}
 NAMESPACE_PREFIX = "bagua-bench-"
 ADDRESSES = ("10.77.0.1", "10.77.0.2")  # rank 0's address is the rendezvous (MASTER) address
 BASE_PORT = 29500
@@ -89,7 +94,7 @@ def _make_variant(name, args):
     """A Variant, or a string saying why it is skipped (its algorithm is not registered)."""
     spec = VARIANTS[name]
     if spec["algorithm"] is None:
-        variant = Variant(name, args, ddp=True)
+        variant = Variant(name, args, ddp=True, make_optimizer=spec.get("optimizer"))
         if spec.get("ddp_hook"):
             variant.wrapped.register_comm_hook(None, get_algorithm(spec["ddp_hook"], hierarchical=False).ddp_comm_hook)
         return variant
@@ -172,8 +177,9 @@ def worker(config):
         else:
             variants.append(variant)
     log(f"timing {', '.join(v.name for v in variants)}: {args.rounds} rounds x {args.steps} steps")
-    timings = _interleaved(variants, args, rank)
+    timings = _interleaved(variants, args, rank, peers=PEERS)
     result["ratios"] = timings.pop("ratios")
+    result["peer_ratios"] = timings.pop("peer_ratios", {})
     result["ms"] = timings
     log("counting bytes on the wire")
     result["wire_bytes"] = {v.name: _bytes_per_step(v, args, rank, steps=args.wire_steps) for v in variants}
@@ -281,6 +287,8 @@ def report(result) -> str:
         wire = result["wire_bytes"].get(name)
         lines.append(f"| {name} | {ms:.1f} | {mid:.3f}x [{low:.2f}-{high:.2f}] | "
                      f"{'n/a' if wire is None else f'{wire / MB:.2f}'} |")
+    for name, (peer, (low, mid, high)) in result.get("peer_ratios", {}).items():
+        lines.append(f"{name} vs {peer} (the same optimizer over DDP): {mid:.3f}x [{low:.2f}-{high:.2f}]")
     lines += [f"note: {note}" for note in result["notes"]]
     return "\n".join(lines)
 
