@@ -48,10 +48,14 @@ class _ProbeNet(torch.nn.Module):
 
 
 def _load(spec: str):
-    module_name, _, attr = spec.partition(":")
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")  # (torch.optim.AdamW too)
     if not module_name or not attr:
-        raise ValueError(f"expected MODULE:CLASS (e.g. torch.optim:AdamW), got {spec!r}")
-    obj = importlib.import_module(module_name)
+        raise ReportError(f"expected MODULE:CLASS (e.g. torch.optim:AdamW), got {spec!r}")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ReportError(f"cannot import {module_name!r} ({exc}); is the package that holds {attr} installed?") \
+            from exc
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
@@ -108,10 +112,19 @@ def _build(cls, model: torch.nn.Module, kwargs: dict):
     try:
         return cls(params, **kwargs)
     except Exception as exc:
-        why = _why_not_built(cls, exc, params, kwargs)
-        if why is None:
-            raise
+        why = _why_not_built(cls, exc, params, kwargs) or (
+            f"{cls.__name__}(model.parameters(), **kwargs) raised {_one_line(exc)}. The report builds it over a "
+            f"small model's parameters; where {cls.__name__} needs them in a form of its own (groups with flags, "
+            f"named parameters), check it in your script instead: {_IN_YOUR_SCRIPT}")
         raise ReportError(why) from exc
+
+
+_IN_YOUR_SCRIPT = "fuse_optimizer(optimizer, verify=3), then print(fusion_report(optimizer))"
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0].rstrip('.') if lines else ''}"
 
 
 def describe(cls, kwargs: Optional[dict] = None, steps: int = 3) -> List[str]:
@@ -155,7 +168,11 @@ def describe(cls, kwargs: Optional[dict] = None, steps: int = 3) -> List[str]:
         try:
             plain_model, _ = train(False, with_closure=True)
         except Exception:
-            raise exc from None
+            raise ReportError(
+                f"{cls.__name__}'s own (unfused) step failed on a small model after a plain loss.backward(), with "
+                f"and without a closure: {_one_line(exc)}. Where its step needs more than gradients (a Hessian "
+                f"from backward(create_graph=True), a loss passed in), check it in your script instead: "
+                f"{_IN_YOUR_SCRIPT}") from exc
         with_closure = True
     fused_model, fused = train(True, with_closure)
     worst = max(
@@ -187,7 +204,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if cls is torch.optim.Optimizer:
             raise ReportError(f"{args.optimizer} is the base class of all optimizers; name an optimizer class, "
                               "e.g. torch.optim:AdamW")
-        kwargs = json.loads(args.kwargs)
+        try:
+            kwargs = json.loads(args.kwargs)
+        except json.JSONDecodeError as exc:
+            raise ReportError(f"--kwargs is not valid JSON ({exc}); write it as an object, e.g. "
+                              "--kwargs '{\"lr\": 0.01}'") from exc
+        if not isinstance(kwargs, dict):
+            raise ReportError(f"--kwargs must be a JSON object of keyword arguments, e.g. '{{\"lr\": 0.01}}'; "
+                              f"got {type(kwargs).__name__} {args.kwargs}")
         lines = describe(cls, kwargs)
     except ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -167,6 +167,17 @@ def test_model_switch_wrapper_single_process():
     assert wrapper(torch.randn(2, 8)).shape == (2, 4)
     assert sorted(wrapper.state_dict()) == sorted(model.state_dict())
     assert [n for n, _ in wrapper.named_parameters()] == ["module." + n for n, _ in model.named_parameters()]
+    # a checkpoint saved from a DDP model ("module." keys) loads, as into BaguaModule; with strict=False
+    # it loaded nothing before, silently
+    other = MLP()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    for strict in (True, False):
+        wrapper.load_state_dict({"module." + k: v for k, v in other.state_dict().items()}, strict=strict)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+        with torch.no_grad():
+            model.fc1.weight.zero_()
     with pytest.raises(AlgorithmConfigError, match="intra_comm_root_rank"):
         ModelSwitchWrapper(model, None, intra_comm_root_rank=1)
 

@@ -112,6 +112,35 @@ def test_pytorch_optimizer_classes_it_cannot_build_are_explained(capsys, name, s
     assert code == 2 and err.startswith(f"error: {says}"), err
 
 
+@pytest.mark.parametrize("name, says", [
+    ("Muon", "Muon(model.parameters(), **kwargs) raised RuntimeError: "),  # wants groups with use_muon flags
+    ("SophiaH", "SophiaH's own (unfused) step failed on a small model after a plain loss.backward()"),  # a Hessian
+    ("AdaHessian", "AdaHessian's own (unfused) step failed on a small model after a plain loss.backward()"),
+])
+def test_pytorch_optimizer_classes_it_cannot_step_say_where_to_check_them(capsys, name, says):
+    pytest.importorskip("pytorch_optimizer")
+    code, _, err = _report(capsys, f"pytorch_optimizer:{name}")
+    assert code == 2 and err.startswith(f"error: {says}"), err
+    assert err.endswith("check it in your script instead: fuse_optimizer(optimizer, verify=3), then "
+                        "print(fusion_report(optimizer))"), err
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ("[1, 2]", "--kwargs must be a JSON object of keyword arguments"),
+    ("{lr: 0.1}", "--kwargs is not valid JSON"),
+])
+def test_kwargs_that_are_not_a_json_object_are_named_so(capsys, kwargs, says):
+    code, _, err = _report(capsys, "torch.optim:SGD", "--kwargs", kwargs)
+    assert code == 2 and err.startswith(f"error: {says}"), err
+
+
+def test_a_dotted_class_name_and_a_missing_package(capsys):
+    code, out, _ = _report(capsys, "torch.optim.SGD", "--kwargs", '{"lr": 0.1}')
+    assert code == 0 and out.splitlines()[0] == "torch.optim.sgd.SGD"
+    code, _, err = _report(capsys, "no_such_package:Adam")
+    assert code == 2 and err.startswith("error: cannot import 'no_such_package'"), err
+
+
 def test_an_optimizer_whose_step_needs_a_closure_is_stepped_with_one(capsys):
     code, out, err = _report(capsys, "torch.optim:LBFGS")
     assert code == 0, err

@@ -66,6 +66,17 @@ class StepHooks:
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
+def load_into_plain_model(module: torch.nn.Module, state_dict, strict: bool, assign: bool):
+    """``module.load_state_dict``; a checkpoint whose keys all carry the ``module.`` prefix (saved from a
+    DDP model) loads too, unless the model has a submodule named ``module``. (Without this, such a
+    checkpoint loaded with ``strict=False`` would load nothing, silently.)"""
+    prefixed = bool(state_dict) and all(key.startswith("module.") for key in state_dict)
+    if prefixed and not hasattr(module, "module"):
+        state_dict = copy.copy(state_dict)  # (with its _metadata: the modules' versions)
+        consume_prefix_in_state_dict_if_present(state_dict, "module.")
+    return module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
 class BaguaModule(torch.nn.Module, Joinable):
     """A model replicated over ranks and kept consistent by one distributed algorithm.
 
@@ -456,11 +467,7 @@ class BaguaModule(torch.nn.Module, Joinable):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """The plain model's ``load_state_dict``; a checkpoint whose keys all carry the ``module.``
         prefix (saved from a DDP model) loads too, unless the model has a submodule named ``module``."""
-        prefixed = bool(state_dict) and all(key.startswith("module.") for key in state_dict)
-        if prefixed and not hasattr(self.module, "module"):
-            state_dict = copy.copy(state_dict)  # (with its _metadata: the modules' versions)
-            consume_prefix_in_state_dict_if_present(state_dict, "module.")
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        return load_into_plain_model(self.module, state_dict, strict, assign)
 
     @contextmanager
     def no_sync(self):
@@ -734,4 +741,5 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """See :meth:`BaguaModule.load_state_dict`."""
+        return load_into_plain_model(self.module, state_dict, strict, assign)
