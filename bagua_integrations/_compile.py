@@ -59,7 +59,7 @@ from ._early_stores import stores_early
 from ._foreach import element_calls, in_place, is_python_number
 from ._late_reductions import LateReduction, find_late_reduction, graph_findings
 from ._scalar_prologue import with_scalar_prologue
-from .errors import CompileFallbackWarning
+from .errors import CompileFallbackWarning, ShardCollectiveError
 
 _T = torch.Tensor
 _ADD_LIKE = {_T.add_: _T.add_, _T.add: torch.add, torch.add: torch.add, _T.sub_: _T.sub_, _T.sub: torch.sub, torch.sub: torch.sub}
@@ -536,6 +536,10 @@ class CompiledStep:
             late = find_late_reduction(exc)
             if late is not None:  # refused by _backend: nothing ran; the caller plans the group again
                 raise late from None
+            failed = next((e for e in exception_chain(exc, implicit=False) if isinstance(e, ShardCollectiveError)),
+                          None)
+            if failed is not None:  # the ranks' all-reduce, not the compiler: the eager step would fail too
+                raise failed from None
             self._disable(_describe(exc))
             return False
         written = _floats_written(floats_before, _python_floats(optimizer))

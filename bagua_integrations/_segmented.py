@@ -390,12 +390,18 @@ def all_reduce_over_shards(values: torch.Tensor, how: str, shards: ShardGroup) -
     import torch.distributed as dist
 
     op = getattr(dist.ReduceOp, _REDUCE_OPS[how])
-    if values.device.type == shards.device.type:
-        dist.all_reduce(values, op=op, group=shards.group)
-        return values
-    moved = values.to(shards.device)
-    dist.all_reduce(moved, op=op, group=shards.group)
-    return moved.to(values.device)
+    moved = values if values.device.type == shards.device.type else values.to(shards.device)
+    try:
+        dist.all_reduce(moved, op=op, group=shards.group)
+    except Exception as exc:
+        from .errors import ShardCollectiveError
+
+        lines = str(exc).strip().splitlines()
+        raise ShardCollectiveError(
+            f"the all-reduce that combines per-parameter {how}s across the ranks' FSDP2 shards failed "
+            f"({type(exc).__name__}: {lines[0] if lines else ''}); another rank stopped, crashed or timed out. "
+            "This step may be partly applied on this rank: restart every rank from the last checkpoint") from exc
+    return moved if moved is values else moved.to(values.device)
 
 
 def all_reduce_together(values: List[torch.Tensor], hows: List[str], shards: ShardGroup) -> List[torch.Tensor]:

@@ -50,6 +50,12 @@ class SharedParameterError(FusionError, ValueError):
     once per listing, which one slot of a flat buffer cannot reproduce."""
 
 
+class ShardCollectiveError(FusionError):
+    """The all-reduce that combines per-parameter reductions (LAMB's norms, BertAdam's clipping) across
+    the ranks' FSDP2 shards failed: a rank stopped, crashed or timed out. A communication failure, not
+    a compile failure: a compiled step raises it as it is rather than falling back to eager."""
+
+
 class FusionMismatchError(FusionError):
     """Verification mode (``fuse_optimizer(opt, verify=N)``) found a fused step that differs from
     the unfused one; the parameters and state hold the unfused step's result."""

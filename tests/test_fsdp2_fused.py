@@ -727,3 +727,52 @@ def test_shards_of_uneven_length_make_the_same_collectives_on_every_rank(name, c
     results = run_ranks(_uneven_shards, 2, (name, compile, verify), timeout=180, env={"OMP_NUM_THREADS": "1"})
     for worst in values(results):
         assert worst < RTOL, f"{name}: relative difference {worst:.2e}"
+
+
+PEER_STOPPED_TIMEOUT = 4.0  # seconds: the process group's timeout in the test below
+
+
+def _a_peer_stops(rank, world, compile):
+    """Three steps on both ranks, then rank 1 stops taking steps: rank 0's next step waits in the
+    all-reduce of its norms until the process group's timeout."""
+    import time
+    import warnings
+
+    from bagua_integrations import CompileFallbackWarning, ShardCollectiveError, fuse_optimizer, fusion_report
+
+    model = _model(world)
+    opt = fuse_optimizer(_make("lamb", model.parameters()), replace_step=True, compile=compile)
+    for i in range(3):
+        _loss(model, _batch(rank, i)).backward()
+        opt.step()
+    if rank == 1:
+        time.sleep(PEER_STOPPED_TIMEOUT + 4)  # (then exits; no collective of its own)
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt.step()
+            raised = None
+        except ShardCollectiveError as exc:
+            raised = str(exc)
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    return raised, fallbacks, fusion_report(opt).compiled
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_peer_that_stops_is_a_named_communication_error_not_a_compile_fallback(compile):
+    """The shards' all-reduce failing (a rank crashed or stalled) raises ShardCollectiveError, which
+    says what happened and what to do; a compiled step raises it as it is (it used to warn that the
+    compile failed, fall back to eager and fail there again)."""
+    from _dist_utils import run_ranks, values
+    from bagua_integrations._compile import compile_unavailable_reason
+
+    if compile and compile_unavailable_reason("segmented") is not None:
+        pytest.skip("this torch does not compile fused steps")
+    results = run_ranks(_a_peer_stops, 2, (compile,), timeout=120, pg_timeout=PEER_STOPPED_TIMEOUT,
+                        env={"OMP_NUM_THREADS": "1"})
+    raised, fallbacks, compiled = values(results)[0]
+    assert raised is not None and "another rank stopped, crashed or timed out" in raised, raised
+    assert "restart every rank from the last checkpoint" in raised
+    assert not fallbacks, fallbacks
+    assert compiled == compile
