@@ -180,12 +180,22 @@ def trainer_param_groups(model: torch.nn.Module, weight_decay: float):
     ]
 
 
-def _accepts(cls: type, name: str) -> bool:
+def _takes(cls: type, name: str, like) -> bool:
+    """Whether ``cls`` takes ``name`` in the form ``like`` tells (its default passes ``like``, or it
+    has none): Adafactor's ``eps`` is a pair and Adan's ``betas`` three, which Adam's would break."""
     try:
-        params = inspect.signature(cls).parameters
+        param = inspect.signature(cls).parameters.get(name)
     except (TypeError, ValueError):
         return False
-    return name in params
+    return param is not None and (param.default is param.empty or like(param.default))
+
+
+def _a_pair(value) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2
+
+
+def _a_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _resolve_cls_and_kwargs(
@@ -211,10 +221,10 @@ def _resolve_cls_and_kwargs(
             )
         cls = optimizer_cls
         kwargs = {"lr": args.learning_rate}
-        if _accepts(cls, "betas"):
+        if _takes(cls, "betas", _a_pair):  # Adam-like: Trainer's adam_* arguments, as it gives its Adam family
             kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
-        if _accepts(cls, "eps"):
-            kwargs["eps"] = args.adam_epsilon
+            if _takes(cls, "eps", _a_number):
+                kwargs["eps"] = args.adam_epsilon
     _refuse_fixed_fuse_args(overrides)
     kwargs.update(overrides)
     return cls, kwargs

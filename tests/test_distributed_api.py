@@ -67,6 +67,12 @@ def test_bad_algorithm_arguments_are_named_errors():
         get_algorithm("bmuf", global_sync_iter=0)
     with pytest.raises(AlgorithmConfigError, match="hierarchical"):
         get_algorithm("bmuf", hierarchical=True)
+    # (a NaN block momentum turned the weights to NaN at the first block sync)
+    for bad in (dict(block_momentum=float("nan")), dict(block_momentum=1.0), dict(block_momentum=-0.1),
+                dict(block_lr=float("inf")), dict(block_lr=0.0), dict(block_lr="fast"), dict(block_lr=True)):
+        with pytest.raises(AlgorithmConfigError, match=next(iter(bad))):
+            get_algorithm("bmuf", **bad)
+    assert get_algorithm("bmuf", block_momentum=0.0, block_lr=2.0).block_lr == 2.0
     with pytest.raises(AlgorithmConfigError, match="message_size"):
         get_algorithm("gradient_allreduce", message_size=0)
     with pytest.raises(AlgorithmConfigError, match="extra arguments"):

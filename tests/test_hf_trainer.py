@@ -301,3 +301,41 @@ def test_trainer_refuses_load_best_model_at_end_under_bmuf(tmp_path):
     with pytest.raises(AlgorithmSetupError, match="load_best_model_at_end=False"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def _explicit_classes():
+    from transformers.optimization import Adafactor
+
+    classes = [
+        # (class, extra kwargs, the defaults it must end with: Trainer's adam_* only for an Adam-like class)
+        (torch.optim.AdamW, {}, {"betas": (0.8, 0.99), "eps": 1e-7}),
+        (torch.optim.Adagrad, {}, {"eps": 1e-10}),  # its own eps, as Trainer's optim="adagrad" keeps it
+        (Adafactor, {"scale_parameter": False, "relative_step": False}, {"eps": (1e-30, 1e-3)}),  # a pair of eps
+    ]
+    try:
+        import pytorch_optimizer
+
+        classes.append((pytorch_optimizer.Adan, {}, {"betas": (0.98, 0.92, 0.99)}))  # three betas
+    except ImportError:
+        pass
+    return classes
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_an_explicit_class_gets_trainers_adam_arguments_only_in_their_form(tmp_path, index):
+    """An explicit class gets ``betas``/``eps`` from TrainingArguments only where it is Adam-like (a
+    pair of betas, a numeric eps); Adafactor (a pair of eps) and Adan (three betas) failed their first
+    step with a bare TypeError/ValueError, and Adagrad lost its own eps."""
+    classes = _explicit_classes()
+    if index >= len(classes):
+        pytest.skip("pytorch-optimizer is not installed")
+    cls, extra, expected = classes[index]
+    args = training_args(tmp_path, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-7)
+    model = tiny_bert()
+    optimizer = hf_plugin.create_fused_optimizer(model, args, cls, **extra)
+    for key, value in expected.items():
+        got = optimizer.defaults[key]
+        assert (tuple(got) if isinstance(got, (tuple, list)) else got) == value, (key, got)
+    out = model(input_ids=torch.randint(0, 100, (2, 8)), labels=torch.tensor([0, 1]))
+    out.loss.backward()
+    optimizer.step()  # (the first step is where the wrong forms failed)

@@ -8,6 +8,7 @@ filter it with block momentum, and all continue from the same new global model.
 from __future__ import annotations
 
 import copy
+import math
 from typing import List, Optional
 
 import torch
@@ -19,6 +20,17 @@ from .base import ModelAlgorithm
 from .registry import register_algorithm
 
 __all__ = ["BMUF"]
+
+
+def _number(name: str, value, what: str, valid) -> float:
+    """``value`` as a float, or AlgorithmConfigError saying it must be ``what``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or isinstance(value, bool) or not valid(number):
+        raise AlgorithmConfigError(f"{name} must be {what}, got {value!r}")
+    return number
 
 
 @register_algorithm("bmuf")
@@ -75,8 +87,10 @@ class BMUF(ModelAlgorithm):
             raise AlgorithmConfigError(f"global_sync_iter must be an integer >= 1, got {global_sync_iter!r}")
         if not isinstance(warmup_iterations, int) or warmup_iterations < 0:
             raise AlgorithmConfigError(f"warmup_iterations must be an integer >= 0, got {warmup_iterations!r}")
-        self.block_lr = float(block_lr)
-        self.block_momentum = float(block_momentum)
+        self.block_lr = _number("block_lr", block_lr, "a finite number > 0 (fairseq's default: 1.0)",
+                                lambda v: math.isfinite(v) and v > 0)
+        self.block_momentum = _number("block_momentum", block_momentum, "a number in [0, 1) (fairseq's default: 0.875; "
+                                      "1 or more makes the block updates grow without bound)", lambda v: 0 <= v < 1)
         self.global_sync_iter = global_sync_iter
         self.warmup_iterations = warmup_iterations
         self.use_nbm = bool(use_nbm)
