@@ -690,7 +690,10 @@ def _fused_step(self, closure=None):
     return getattr(self, _ATTR).step(closure)
 
 
-_fused_step = torch.optim.Optimizer.profile_hook_step(_fused_step)
+# torch.compile of a training step that calls it (as torch documents for plain optimizers) runs the
+# fused step as it is, between two graphs: tracing into the flat buffers' swaps failed with bare torch
+# errors, and the fused step compiles its own update (compile="auto"/True) either way
+_fused_step = torch.compiler.disable(torch.optim.Optimizer.profile_hook_step(_fused_step))
 
 
 def fuse_optimizer(
