@@ -10,6 +10,7 @@ trial, and training must stay exact while buckets are rebuilt: the weights equal
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -250,3 +251,50 @@ def test_autotuning_without_optuna_is_a_named_error(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", without_optuna)
     with pytest.raises(AlgorithmConfigError, match="needs Optuna on every rank"):
         autotune._optuna_or_error(None)
+
+
+def _tuned_then_resumed(rank, world):
+    """decentralized tuned to communication_interval 4 (scored best), saved after the search; resumed
+    into a fresh bagua_init at interval 1: it must train on with 4, as the uninterrupted run does."""
+    from bagua_integrations import bagua_init
+
+    def train(wrapped, optimizer, steps):
+        for step in steps:
+            x, y = _batch(rank, step)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            optimizer.step()
+
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    wrapped, _ = bagua_init(model, optimizer, "decentralized", peer_selection_mode="all", communication_interval=1)
+    wrapped.enable_autotune(max_trials=3, intervals=[1, 4], seed=0)
+    for trial in range(4):
+        train(wrapped, optimizer, range(2 * trial, 2 * trial + 2))
+        wrapped.report_metrics([100.0 if wrapped.communication_setting("communication_interval") == 4 else 1.0])
+        wrapped.ask_and_update_hyperparameters()
+    checkpoint = copy.deepcopy({"algorithm": wrapped.algorithm_state_dict(), "model": model.state_dict(),
+                                "optimizer": optimizer.state_dict()})  # (as saved to a file: not the live tensors)
+    tuned = wrapped.communication_setting("communication_interval")
+    train(wrapped, optimizer, range(8, 15))
+    wrapped.close()
+
+    resumed = _model()
+    resumed.load_state_dict(checkpoint["model"])
+    optimizer = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    again, _ = bagua_init(resumed, optimizer, "decentralized", peer_selection_mode="all", communication_interval=1)
+    again.load_algorithm_state_dict(checkpoint["algorithm"])
+    interval = again.communication_setting("communication_interval")
+    train(again, optimizer, range(8, 15))
+    again.close()
+    same = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), resumed.parameters()))
+    return tuned, interval, same
+
+
+def test_a_resume_keeps_the_settings_the_autotuner_chose():
+    """(The checkpoint did not hold them: the resumed run went back to interval 1 and its weights
+    ended 3.6e-2 away from the uninterrupted run's, silently.)"""
+    for tuned, interval, same in values(run_ranks(_tuned_then_resumed, 2, timeout=120)):
+        assert tuned == 4 and interval == 4, (tuned, interval)
+        assert same == 0, f"the resumed run differs from the uninterrupted one by {same:.2e}"

@@ -255,7 +255,10 @@ class BaguaModule(torch.nn.Module, Joinable):
         if self.session is None:
             return {"name": self.algorithm.name, "num_updates": 0, "algorithm": {}, "rank": 0, "world_size": 1,
                     "weights_differ": False, "replicas_differ": False}
-        return self.session.state_dict()
+        state = self.session.state_dict()
+        if self.autotuner is not None:  # the settings it chose (the same on every rank): a resume keeps them
+            state["autotuned"] = self.autotuner.current()
+        return state
 
     def load_algorithm_state_dict(self, state: dict, *, shared: bool = False) -> bool:
         """Restore :meth:`algorithm_state_dict` (any time before the next step); returns whether it did.
@@ -269,7 +272,11 @@ class BaguaModule(torch.nn.Module, Joinable):
         if not shared and state.get("weights_differ", True) and state.get("name") == self.algorithm.name:
             # loaded before bagua_init, then replaced by the first rank's: this rank's own come back
             self._restore_own_weights()
-        return self.session.load_state_dict(state, shared=shared)
+        tuned = state.get("autotuned")  # (applied here: a new bucket size or hierarchy rebuilds the buckets)
+        restored = self.session.load_state_dict({k: v for k, v in state.items() if k != "autotuned"}, shared=shared)
+        if restored and tuned:  # what the autotuner had chosen (a new search starts from it)
+            self.apply_communication_settings(**tuned)
+        return restored
 
     # ------------------------------------------------------------------ autotuning (Bagua's API)
     def communication_setting(self, key: str):

@@ -224,7 +224,7 @@ class AlgorithmSession:
         under this algorithm, so that a resume can tell a per-rank checkpoint from one rank's
         state loaded everywhere.
         """
-        return {
+        state = {
             "name": self.name,
             "num_updates": self.num_updates,
             "algorithm": self.algorithm.state_dict(),
@@ -233,6 +233,9 @@ class AlgorithmSession:
             "weights_differ": self.distributed and self.algorithm.weights_differ,
             "replicas_differ": self.replicas_differ,
         }
+        if self.autotuner is not None:  # the settings it chose (the same on every rank): a resume keeps them
+            state["autotuned"] = self.autotuner.current()
+        return state
 
     def load_state_dict(self, state: Dict[str, Any], *, shared: bool = False,
                         optimizer_state: Optional[Dict[str, Any]] = None) -> bool:
@@ -257,6 +260,8 @@ class AlgorithmSession:
         self.check_resume(state, shared=shared, optimizer_state=optimizer_state)
         self.num_updates = int(state.get("num_updates", 0))
         self.algorithm.load_state_dict(state.get("algorithm") or {})
+        if state.get("autotuned"):  # what the autotuner had chosen (a new search starts from it)
+            self.apply_communication_settings(**state["autotuned"])
         return True
 
     def rank_state_dict(self, model: Optional[torch.nn.Module] = None,
