@@ -420,6 +420,9 @@ def _switch_away_from_async(rank, world):
 
     model = Linear()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    # the world group's worker threads name themselves when they first run: after a collective they
+    # have (measured before one, the baseline missed them 1 time in 3, and "after" had two more)
+    torch.distributed.barrier()
     world_only = gloo_threads()
     wrapper = ModelSwitchWrapper(model, optimizer).switch_to("async", sync_interval_ms=0, warmup_steps=1)
     for step in range(12):

@@ -434,3 +434,55 @@ def test_a_model_and_its_optimizer_are_freed_once_the_program_drops_them(algorit
     for result in run_ranks(_freed_once_dropped, 2, (algorithm,), timeout=120):
         assert result.ok, result.describe()
         assert result.value == [False, False, False], f"still alive (model, wrapper, optimizer): {result.value}"
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda m, o: get_algorithm("gradient_allreduce", message_size="10"), "message_size must be a whole number"),
+    (lambda m, o: get_algorithm("bytegrad", message_size=0.5), "message_size must be a whole number"),
+    (lambda m, o: get_algorithm("gradient_allreduce", message_size=float("nan")), "message_size must be a whole"),
+    (lambda m, o: bagua_init(m, o, message_size="1M"), "message_size must be a whole number"),
+    (lambda m, o: get_algorithm("gradient_allreduce", hierarchical="false"), "hierarchical must be True or False"),
+    (lambda m, o: bagua_init(m, o, hierarchical_reduce="no"), "hierarchical_reduce must be True or False"),
+    (lambda m, o: get_algorithm("decentralized", communication_interval=True), "communication_interval"),
+    (lambda m, o: get_algorithm("bytegrad", codec="uint8"), "codec must be a quantizer"),
+    (lambda m, o: bagua_init(o, m), "the optimizer comes second"),
+    (lambda m, o: bagua_init(m, m), "the model comes first"),
+    (lambda m, o: bagua_init("model", o), "first argument is the model"),
+    (lambda m, o: bagua_init(m, o, process_group="world"), "process_group must be a torch.distributed process group"),
+    (lambda m, o: get_algorithm("decentralized").load_state_dict("checkpoint.pt"), "must be the dict"),
+])
+def test_arguments_of_the_wrong_kind_are_named_errors(call, says):
+    """Each was a bare TypeError/ValueError/AttributeError, or silently taken ("false" as True, 0.5 bytes
+    as 0, True as an interval of 1)."""
+    from bagua_integrations.distributed import CheckpointError
+
+    model = MLP()
+    with pytest.raises((AlgorithmConfigError, CheckpointError), match=says):
+        call(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_ranks_started_by_a_launcher_without_a_process_group_are_refused(monkeypatch):
+    """torchrun set WORLD_SIZE=2 but the script never called init_process_group: each rank would
+    have trained alone, silently (DDP raises there too)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = MLP()
+    with pytest.raises(DistributedError, match="WORLD_SIZE=2.*init_process_group"):
+        bagua_init(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    bagua_init(model, torch.optim.SGD(model.parameters(), lr=0.1))[0].close()
+
+
+def test_a_closed_wrapper_refuses_to_train_but_still_evaluates():
+    """After close() its training steps would not be averaged (the replicas drifted 0.4 apart in one
+    step on 2 ranks, silently)."""
+    model = MLP()
+    wrapped, _ = bagua_init(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(2, 8)
+    wrapped(x)
+    wrapped.close()
+    with pytest.raises(DistributedError, match="closed"):
+        wrapped(x)
+    with torch.no_grad():
+        wrapped(x)
+    wrapped.eval()
+    wrapped(x)

@@ -185,6 +185,26 @@ def sc_model_switch_wrapper(rank, world):
     return {"decentralized": first, "gradient_allreduce": _spread(model)}
 
 
+def sc_switch_inside_join(rank, world):
+    """Every rank switches algorithms after its first step, inside the join block: JoinError on every
+    rank (it was a gloo abort on the rank that ran out of data, "Received data size doesn't match")."""
+    model = MLP()
+    optimizer = _sgd(model)
+    wrapper = ModelSwitchWrapper(model, optimizer).switch_to("gradient_allreduce")
+    message = None
+    try:
+        with wrapper.join():
+            for x, y in _batches(rank):
+                optimizer.zero_grad()
+                loss_fn(wrapper, x, y).backward()
+                optimizer.step()
+                wrapper.switch_to("decentralized")
+    except JoinError as error:
+        message = str(error)
+    wrapper.switch_to("gradient_allreduce")  # (outside the block: allowed, and the group still works)
+    return message
+
+
 class NoJoinAveraging(ModelAlgorithm):
     """A model algorithm written without an uneven-input form."""
 
@@ -325,6 +345,7 @@ SCENARIOS = {
     "buffers_and_no_sync": sc_buffers_and_no_sync,
     "first_joinable": sc_model_must_be_first_joinable,
     "model_switch_wrapper": sc_model_switch_wrapper,
+    "switch_inside_join": sc_switch_inside_join,
     "without_join_form": sc_model_algorithm_without_join_form,
     "decentralized_all": sc_decentralized_all,
     "decentralized_shift_one": sc_decentralized_shift_one,
@@ -365,6 +386,11 @@ def test_the_model_must_be_the_first_joinable_on_every_rank(outcomes):
 def test_model_switch_wrapper_joins_like_the_model_it_wraps(outcomes):
     for result in scenario_value(outcomes, "model_switch_wrapper"):
         assert result == {"decentralized": 0.0, "gradient_allreduce": 0.0}, result
+
+
+def test_switch_to_inside_the_join_block_is_refused_on_every_rank(outcomes):
+    for message in scenario_value(outcomes, "switch_inside_join"):
+        assert message is not None and "switch between epochs, outside the join block" in message, message
 
 
 def test_a_model_algorithm_without_a_join_form_refuses_on_every_rank(outcomes):

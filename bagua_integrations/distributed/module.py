@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import weakref
 from contextlib import contextmanager
 from typing import Callable, List, Optional, Sequence, Union
@@ -15,6 +16,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from . import comm
 from .algorithms import Algorithm, accepted_kwargs, get_algorithm
+from .algorithms.base import as_flag, as_message_size
 from .autotune import algorithm_setting, set_algorithm_settings
 from .errors import AlgorithmConfigError, DistributedError, JoinError
 from .join import FORWARD, STEP, BaguaJoinHook, exchange_header, last_joiner
@@ -30,6 +32,11 @@ Optimizers = Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 def _as_list(optimizer: Optimizers) -> List[torch.optim.Optimizer]:
     if optimizer is None:
         return []
+    if isinstance(optimizer, torch.nn.Module) or not isinstance(optimizer, (torch.optim.Optimizer, list, tuple)):
+        raise AlgorithmConfigError(
+            f"optimizer must be a torch.optim.Optimizer (or a list of them), got {type(optimizer).__name__}"
+            + (" (the model comes first: bagua_init(model, optimizer, ...))" if isinstance(optimizer, torch.nn.Module)
+               else ""))
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
@@ -106,10 +113,12 @@ class BaguaModule(torch.nn.Module, Joinable):
         sync_initial_weights: bool = True,
         algorithm_state: Optional[dict] = None,
     ):
+        _check_model_and_group(module, process_group)
         super().__init__()
         Joinable.__init__(self)
         self._joining = False  # a join context built this module's hook and has not finished yet
         self._join_divide = False
+        self._closed = False
         if isinstance(module, (BaguaModule, ModelSwitchWrapper)):
             raise AlgorithmConfigError(
                 "this model is already wrapped by bagua_init; call wrapped.close() and pass wrapped.unwrap(), "
@@ -138,7 +147,7 @@ class BaguaModule(torch.nn.Module, Joinable):
         self.timeout = comm.as_timedelta(timeout)
         self.reducer: Optional[Reducer] = None
         self.session: Optional[AlgorithmSession] = None
-        self.message_size = int(message_size)
+        self.message_size = as_message_size(message_size)
         self._reducer_options = dict(delay_reduce=delay_reduce, find_unused_parameters=find_unused_parameters)
         self._own_weights: Optional[List[torch.Tensor]] = None  # see _sync_initial_weights
         self._broadcast_fingerprint: Optional[torch.Tensor] = None
@@ -346,6 +355,11 @@ class BaguaModule(torch.nn.Module, Joinable):
 
     # ------------------------------------------------------------------ nn.Module
     def forward(self, *args, **kwargs):
+        if self._closed and torch.is_grad_enabled() and self.module.training:
+            raise DistributedError(
+                "this wrapper was closed (close(), or a ModelSwitchWrapper switch), so a training step through it "
+                "would not be averaged over ranks: train through the new wrapper, or through wrapped.unwrap() "
+                "if each rank is meant to train alone (evaluation under torch.no_grad() or eval() still runs)")
         if self.distributed and torch.is_grad_enabled() and self.module.training:
             join = self._join_event(FORWARD) if self._join_config.enable and self._joining else None
             if self.broadcast_buffers:
@@ -384,8 +398,7 @@ class BaguaModule(torch.nn.Module, Joinable):
         """
         if not self.distributed:
             return contextlib.nullcontext()
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+        return _join_block(self, lambda: self, enable, throw_on_early_termination, divide_by_initial_world_size)
 
     def join_hook(self, **kwargs) -> BaguaJoinHook:
         """The hook torch's ``Join`` calls on a rank that ran out of data (``divide_by_initial_world_size=``)."""
@@ -504,20 +517,57 @@ class BaguaModule(torch.nn.Module, Joinable):
         else:
             self.algorithm.detach()
         self.distributed = False
+        self._closed = True
 
 
 DistributedModule = BaguaModule  # the seed's name for the wrapped-model base class
+
+
+@contextmanager
+def _join_block(joinable, current: Callable[[], Optional[BaguaModule]], enable: bool,
+                throw_on_early_termination: bool, divide_by_initial_world_size: bool):
+    """torch's ``Join([joinable], ...)``, after which the wrapper in use knows it left the block even
+    when an exception ended it (Join then skips its hooks' ending)."""
+    try:
+        with Join([joinable], enable, throw_on_early_termination,
+                  divide_by_initial_world_size=divide_by_initial_world_size):
+            yield
+    finally:
+        wrapper = current()
+        if wrapper is not None:
+            wrapper._joining = False
 
 
 def _configure(distributed_algorithm, hierarchical_reduce, message_size, algorithm_kwargs) -> Algorithm:
     built_here = not isinstance(distributed_algorithm, Algorithm)
     algorithm = get_algorithm(distributed_algorithm, **algorithm_kwargs)
     if hierarchical_reduce is not None:
-        algorithm.hierarchical = bool(hierarchical_reduce)
+        algorithm.hierarchical = as_flag("hierarchical_reduce", hierarchical_reduce)
         algorithm.validate_hierarchy()
+    message_size = as_message_size(message_size)
     if built_here and hasattr(algorithm, "message_size"):
-        algorithm.message_size = int(message_size)
+        algorithm.message_size = message_size
     return algorithm
+
+
+def _check_model_and_group(module, process_group) -> None:
+    """Named errors for what bagua_init is most often given wrong: the model and the optimizer swapped,
+    something that is not a model, a process group that is not one, and a launcher's ranks without a
+    process group (each would train alone, silently: DDP raises there too)."""
+    if not isinstance(module, torch.nn.Module):
+        swapped = " (the optimizer comes second: bagua_init(model, optimizer, ...))" \
+            if isinstance(module, torch.optim.Optimizer) else ""
+        raise AlgorithmConfigError(f"bagua_init's first argument is the model, a torch.nn.Module; got "
+                                   f"{type(module).__name__}{swapped}")
+    if process_group is not None and dist.is_available() and not isinstance(process_group, dist.ProcessGroup):
+        raise AlgorithmConfigError(f"process_group must be a torch.distributed process group (dist.new_group(...)) "
+                                   f"or None for the world, got {type(process_group).__name__}")
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise DistributedError(
+            f"WORLD_SIZE={launched}: a launcher (torchrun) started {launched} ranks, but no process group exists, "
+            "so each rank would train alone. Call bagua_integrations.init_process_group() (or "
+            "torch.distributed.init_process_group()) first")
 
 
 def bagua_init(
@@ -571,10 +621,12 @@ def bagua_init(
 
     Without a process group (or with one rank) the model runs plainly.
     """
+    _check_model_and_group(module, process_group)
+    optimizers = _as_list(optimizer)
     algorithm = _configure(distributed_algorithm, hierarchical_reduce, message_size, algorithm_kwargs)
     wrapped = BaguaModule(
         module,
-        _as_list(optimizer),
+        optimizers,
         algorithm,
         broadcast_buffers=broadcast_buffers,
         delay_reduce=delay_reduce,
@@ -666,6 +718,10 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
         checkpoint, with the model and optimizer already loaded (as ``bagua_init``'s): the
         algorithm continues on schedule and, where replicas differ, ranks keep their own weights.
         """
+        if self._current is not None and self._current._joining:
+            # (the joined ranks' hooks shadow the old wrapper's collectives: a gloo abort, or a hang)
+            raise JoinError("switch_to inside `with model.join():` is not supported: switch between epochs, "
+                            "outside the join block, at the same step on every rank")
         if isinstance(distributed_algorithm, Algorithm):
             kwargs = algorithm_kwargs
         else:  # the constructor's kwargs are defaults each algorithm takes what it understands of
@@ -716,8 +772,8 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
         """See :meth:`BaguaModule.join`."""
         if not self.wrapped.distributed:
             return contextlib.nullcontext()
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+        return _join_block(self, lambda: self._current, enable, throw_on_early_termination,
+                           divide_by_initial_world_size)
 
     def join_hook(self, **kwargs) -> BaguaJoinHook:
         return self.wrapped.join_hook(**kwargs)

@@ -251,6 +251,9 @@ class AlgorithmSession:
         A checkpoint of another algorithm is not restored (one warning): its counters mean
         nothing to this one, and training goes on from a fresh schedule.
         """
+        if not isinstance(state, dict):
+            raise CheckpointError(f"the algorithm state must be the dict algorithm_state_dict() returned, got "
+                                  f"{type(state).__name__}")
         if state.get("name") != self.name:
             logger.warning(
                 f"the checkpoint was trained with the distributed algorithm {state.get('name')}, now "

@@ -15,6 +15,8 @@ a name with :func:`~bagua_integrations.distributed.register_algorithm`.
 
 from __future__ import annotations
 
+import numbers
+
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from ..._flat import Packs, pack_tensors
 from ..._torch_compat import queue_end_of_backward
 from .. import comm
-from ..errors import AlgorithmConfigError
+from ..errors import AlgorithmConfigError, CheckpointError
 
 __all__ = ["Algorithm", "GradientAlgorithm", "ModelAlgorithm", "Members"]
 
@@ -35,6 +37,20 @@ def _no_stages():
     return
     yield  # pragma: no cover - makes this a generator
 
+
+
+def as_flag(name: str, value) -> bool:
+    """``value`` as a bool: True/False or 1/0; anything else (``"false"`` would be True) is refused."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise AlgorithmConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def as_message_size(value) -> int:
+    """``value`` as a bucket size in bytes: a whole number >= 1 (``10_000_000``, ``2**22``)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
+        return int(value)
+    raise AlgorithmConfigError(f"message_size must be a whole number of bytes >= 1 (e.g. 10_000_000), got {value!r}")
 
 class Algorithm:
     """Base class: hyper-parameters, the node hierarchy, and the hooks every integration may call."""
@@ -51,7 +67,7 @@ class Algorithm:
     join_state = None
 
     def __init__(self, hierarchical: Optional[bool] = None, timeout: comm.Timeout = None):
-        self.hierarchical = self.hierarchical_default if hierarchical is None else bool(hierarchical)
+        self.hierarchical = self.hierarchical_default if hierarchical is None else as_flag("hierarchical", hierarchical)
         self.timeout = comm.as_timedelta(timeout)
         self.group = None
 
@@ -156,9 +172,7 @@ class GradientAlgorithm(Algorithm):
 
     def __init__(self, hierarchical: Optional[bool] = None, timeout: comm.Timeout = None, message_size: int = 10_000_000):
         super().__init__(hierarchical, timeout)
-        if message_size <= 0:
-            raise AlgorithmConfigError(f"message_size must be a positive number of bytes, got {message_size!r}")
-        self.message_size = int(message_size)
+        self.message_size = as_message_size(message_size)
         self._ddp_buckets: list = []  # (pending, future, flat) of this backward's multi-stage DDP buckets
         self._ddp_last_index = -1  # the index of the last DDP bucket call (-1: after a last bucket)
 
@@ -434,6 +448,9 @@ class ModelAlgorithm(Algorithm):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; before :meth:`attach` it is kept and applied there."""
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{self.name}'s state must be the dict its state_dict() returned, got "
+                                  f"{type(state).__name__}")
         if self.pack is None:
             self._pending_state = dict(state)
             return

@@ -10,6 +10,7 @@ import torch
 from ..._compile import AUTO_MIN_ELEMENTS, CompiledFunction
 from ..._torch_compat import compiled_kernels_may_fuse_multiply_add
 from .. import comm
+from ..errors import AlgorithmConfigError
 from .base import GradientAlgorithm
 from .registry import register_algorithm
 
@@ -255,6 +256,11 @@ class ByteGrad(GradientAlgorithm):
     def __init__(self, hierarchical=None, timeout=None, message_size: int = 10_000_000, codec=None):
         super().__init__(hierarchical, timeout, message_size)
         self.codec = codec if codec is not None else MinMaxUInt8(zero_exact=True, block=BLOCK)
+        missing = [m for m in ("padded_length", "encode_chunks", "average_chunks", "decode_into")
+                   if not callable(getattr(self.codec, m, None))]
+        if missing:
+            raise AlgorithmConfigError(f"codec must be a quantizer like MinMaxUInt8(zero_exact=True) (it lacks "
+                                       f"{', '.join(missing)}), got {type(self.codec).__name__}")
 
     def average(self, flat: torch.Tensor, group) -> comm.Stages:
         size = comm.world_size(group)

@@ -61,7 +61,8 @@ class Decentralized(ModelAlgorithm):
             raise AlgorithmConfigError(
                 f"peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {peer_selection_mode!r}"
             )
-        if not isinstance(communication_interval, int) or communication_interval < 1:
+        if (isinstance(communication_interval, bool) or not isinstance(communication_interval, int)
+                or communication_interval < 1):
             raise AlgorithmConfigError(
                 f"communication_interval must be an integer >= 1, got {communication_interval!r}"
             )

@@ -74,7 +74,8 @@ class LowPrecisionDecentralized(ModelAlgorithm):
 
     def __init__(self, communication_interval: int = 1, hierarchical: Optional[bool] = None, timeout=None):
         super().__init__(hierarchical, timeout)
-        if not isinstance(communication_interval, int) or communication_interval < 1:
+        if (isinstance(communication_interval, bool) or not isinstance(communication_interval, int)
+                or communication_interval < 1):
             raise AlgorithmConfigError(f"communication_interval must be an integer >= 1, got {communication_interval!r}")
         self.communication_interval = communication_interval
         self.codec = MinMaxUInt8(block=CHUNK)
