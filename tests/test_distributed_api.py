@@ -450,6 +450,7 @@ def test_a_model_and_its_optimizer_are_freed_once_the_program_drops_them(algorit
     (lambda m, o: bagua_init("model", o), "first argument is the model"),
     (lambda m, o: bagua_init(m, o, process_group="world"), "process_group must be a torch.distributed process group"),
     (lambda m, o: get_algorithm("decentralized").load_state_dict("checkpoint.pt"), "must be the dict"),
+    (lambda m, o: bagua_init(m, torch.optim.SGD(MLP().parameters(), lr=0.1)), "none of this model's parameters"),
 ])
 def test_arguments_of_the_wrong_kind_are_named_errors(call, says):
     """Each was a bare TypeError/ValueError/AttributeError, or silently taken ("false" as True, 0.5 bytes

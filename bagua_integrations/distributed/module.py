@@ -142,6 +142,12 @@ class BaguaModule(torch.nn.Module, Joinable):
         self.module = module
         self.algorithm = algorithm
         self.optimizers = list(optimizers)
+        trained = {id(p) for p in module.parameters() if p.requires_grad}
+        stepped = {id(p) for opt in self.optimizers for group in opt.param_groups for p in group["params"]}
+        if trained and self.optimizers and not trained & stepped:
+            raise AlgorithmConfigError(
+                "the optimizer holds none of this model's parameters (was it built over another model, or "
+                "over a copy?): build it over this model's parameters, e.g. SGD(model.parameters(), ...)")
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         self.timeout = comm.as_timedelta(timeout)
