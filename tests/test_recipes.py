@@ -546,6 +546,7 @@ def test_cli_errors_are_named(capsys):
     (["--epochs", "nan"], "argument --epochs: must be a positive number, got 'nan'"),
     (["--lr", "-1"], "argument --lr: must be a positive number, got '-1'"),
     (["--lr", "inf"], "argument --lr: must be a positive number, got 'inf'"),
+    (["--fairseq-timeout", "-5"], "argument --fairseq-timeout: must be a positive number, got '-5'"),
     (["--seed", "-5"], "argument --seed: must be a whole number from 0 to 4294967295, got '-5'"),
     (["--seed", str(2**32)], "argument --seed: must be a whole number from 0 to 4294967295"),
     (["--rows", ","], "--rows ',' names no row: name at least one, e.g. --rows default"),

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(fairseq rows: each becomes --bagua-<name> VALUE)")
     run.add_argument("--nproc", type=_positive_int, default=None,
                      help="fairseq front end: processes for fairseq-train (default: the recipe's own world size)")
-    run.add_argument("--fairseq-timeout", type=float, default=None, help="seconds per fairseq-train row")
+    run.add_argument("--fairseq-timeout", type=_positive_number, default=None, help="seconds per fairseq-train row")
     run.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return parser
 
