@@ -267,3 +267,21 @@ def test_fairseq_refuses_mismatched_ranks(two_ranks):
     for error, message in results:
         assert error == "ModelMismatchError", message
         assert "differs between ranks" in message and "param 0 (16, 8)" in message
+
+
+def test_a_sessions_checkpoint_keeps_the_settings_its_autotuner_chose():
+    """fairseq and HF tune through the session: its state holds what the autotuner chose, and a
+    resumed session applies it (a resume went back to the configured settings, silently)."""
+    pytest.importorskip("optuna")
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = AlgorithmSession(get_algorithm("decentralized", communication_interval=1), optimizer=optimizer,
+                               model=model)
+    session.enable_autotune(max_trials=2, intervals=[1, 4], seed=0)
+    session.apply_communication_settings(communication_interval=4)  # (what the tuner broadcasts)
+    state = session.state_dict()
+    assert state["autotuned"] == {"communication_interval": 4}
+    resumed = AlgorithmSession(get_algorithm("decentralized", communication_interval=1), optimizer=optimizer,
+                               model=model)
+    assert resumed.load_state_dict(state)
+    assert resumed.communication_setting("communication_interval") == 4
