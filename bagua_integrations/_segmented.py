@@ -651,6 +651,15 @@ def _one_value_run(kind: str, seg: Optional[Segmentation]) -> bool:
 
 # ``dim=`` that names a dimension to reduce or normalise along, not one to read or reshape
 _DIM_KEYWORDS = ("dim", "axis")
+
+
+def _dims_given(kwargs) -> bool:
+    """Whether a call names dimensions to reduce along. ``Tensor.norm`` hands ``dim=None`` on as a
+    keyword, so ``p.norm()`` reduces the whole tensor as ``torch.linalg.vector_norm(p)`` does."""
+    for key in _DIM_KEYWORDS:  # (a plain loop: see _along_dims)
+        if kwargs.get(key) is not None:
+            return True
+    return False
 _SHAPE_READS = {torch.Tensor.size, torch.Tensor.stride, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze,
                 torch.squeeze, torch.Tensor.flatten, torch.flatten, torch.Tensor.transpose, torch.transpose,
                 torch.Tensor.unbind, torch.unbind, torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk}
@@ -913,7 +922,7 @@ class SegmentedMode(TorchFunctionMode):
             # both extremes of the whole parameter (ROSE's gradient range): two reductions
             return torch.return_types.aminmax((self._per_segment(torch.amin, seg, args, {}),
                                                self._per_segment(torch.amax, seg, args, {})))
-        if func in _WHOLE_REDUCTIONS and not ({"dim", "axis"} & set(kwargs)) and all(
+        if func in _WHOLE_REDUCTIONS and not _dims_given(kwargs) and all(
             not isinstance(a, int) or func in (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm) for a in args[1:]
         ):
             return self._per_segment(func, seg, args, kwargs)
@@ -1174,7 +1183,7 @@ class SegmentedMode(TorchFunctionMode):
             return out  # dim(), dtype, device, ...
         if isinstance(out, torch.Tensor) and tuple(out.shape) == stacked.shape:
             return out  # elementwise
-        spec = func in _WHOLE_REDUCTIONS and not ({"dim", "axis"} & set(kwargs)) and (
+        spec = func in _WHOLE_REDUCTIONS and not _dims_given(kwargs) and (
             len([a for a in args if isinstance(a, torch.Tensor)]) == 1)
         if spec and isinstance(target, torch.Tensor) and tuple(target.shape) == stacked.shape and not any(
                 isinstance(a, int) and not isinstance(a, bool) for a in args[1:2]

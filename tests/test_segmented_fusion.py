@@ -1237,3 +1237,28 @@ def test_a_zero_dim_parameter_laid_out_first_is_stepped_exactly(make, compile):
     assert worst <= 1e-6, worst
     report = fusion_report(fused)
     assert report.fused_params == 2 and report.unfused_params == 1, report
+
+
+@pytest.mark.parametrize("call", ["method", "function"])
+def test_a_norm_method_goes_straight_to_each_parameter(call):
+    """``p.norm()`` hands ``dim=None`` on as a keyword; it took the detour of a norm over the whole run
+    first (one more pass over the run for each norm a LAMB-style step takes, and torch's bare error
+    for ``norm(inf)`` of an empty run: a rank holding none of a small parameter's rows)."""
+    from bagua_integrations import _segmented
+
+    pieces = [(0, 6, torch.Size([2, 3])), (8, 12, torch.Size([4]))]
+    seg = _segmented.Segmentation((1, 16), pieces)
+    run = torch.arange(16.0).reshape(1, 16)
+    whole_run_norms = []
+
+    class Watch(torch.overrides.TorchFunctionMode):  # inside the segmented mode: sees what it calls
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.norm, torch.linalg.vector_norm) and args[0].shape == seg.shape:
+                whole_run_norms.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Watch(), _segmented.SegmentedMode([seg]):
+        norms = run.norm(2.0) if call == "method" else torch.linalg.vector_norm(run, 2.0)
+    assert not whole_run_norms, whole_run_norms
+    expected = torch.stack([run.reshape(-1)[s:e].norm() for s, e, _ in pieces])
+    torch.testing.assert_close(norms.reshape(-1), expected)

@@ -1256,7 +1256,7 @@ def test_report_command_says_which_path_each_group_takes(capsys):
     assert report_main(["torch.optim:Adafactor", "--kwargs", '{"lr": 0.01}']) == 0
     assert "param group 0: per-tensor -- " in capsys.readouterr().out
     assert report_main(["no_such_module:Optim"]) == 2
-    assert "ModuleNotFoundError" in capsys.readouterr().err
+    assert "cannot import 'no_such_module'" in capsys.readouterr().err
 
 
 def test_report_command_compares_an_optimizer_that_draws_random_numbers_from_the_same_draws(capsys):
