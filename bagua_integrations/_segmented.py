@@ -500,7 +500,8 @@ class _PendingCombines:
     with the same reductions pending."""
 
     def __init__(self):
-        self.pending: List[Tuple[torch.Tensor, str, Any, Any, Segmentation, torch.Tensor]] = []
+        # (this rank's values per segment, how they combine, finish, segmentation, result)
+        self.pending: List[Tuple[torch.Tensor, str, Any, Segmentation, torch.Tensor]] = []
         self.results: set = set()  # ids of the pending results
 
     def add(self, how: str, part: torch.Tensor, finish, dtype: torch.dtype, seg: Segmentation) -> torch.Tensor:
@@ -660,6 +661,8 @@ def _dims_given(kwargs) -> bool:
         if kwargs.get(key) is not None:
             return True
     return False
+
+
 _SHAPE_READS = {torch.Tensor.size, torch.Tensor.stride, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze,
                 torch.squeeze, torch.Tensor.flatten, torch.flatten, torch.Tensor.transpose, torch.transpose,
                 torch.Tensor.unbind, torch.unbind, torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk}
