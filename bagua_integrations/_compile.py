@@ -59,7 +59,7 @@ from ._early_stores import stores_early
 from ._foreach import element_calls, in_place, is_python_number
 from ._late_reductions import LateReduction, find_late_reduction, graph_findings
 from ._scalar_prologue import with_scalar_prologue
-from .errors import CompileFallbackWarning, ShardCollectiveError
+from .errors import CompileFallbackWarning, ShardCollectiveError, first_line
 
 _T = torch.Tensor
 _ADD_LIKE = {_T.add_: _T.add_, _T.add: torch.add, torch.add: torch.add, _T.sub_: _T.sub_, _T.sub: torch.sub, torch.sub: torch.sub}
@@ -414,8 +414,7 @@ def _step_with_scalars_as_operands(optimizer, raw_step, mode=None, floats=()):
 def _describe(exc: BaseException) -> str:
     """``Type: first line`` of the innermost cause (Dynamo wraps backend errors)."""
     *_, exc = exception_chain(exc, implicit=False)
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return first_line(exc)
 
 
 def _private_copy(fn, name: str):

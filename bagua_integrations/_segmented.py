@@ -394,12 +394,11 @@ def all_reduce_over_shards(values: torch.Tensor, how: str, shards: ShardGroup) -
     try:
         dist.all_reduce(moved, op=op, group=shards.group)
     except Exception as exc:
-        from .errors import ShardCollectiveError
+        from .errors import ShardCollectiveError, first_line
 
-        lines = str(exc).strip().splitlines()
         raise ShardCollectiveError(
             f"the all-reduce that combines per-parameter {how}s across the ranks' FSDP2 shards failed "
-            f"({type(exc).__name__}: {lines[0] if lines else ''}); another rank stopped, crashed or timed out. "
+            f"({first_line(exc)}); another rank stopped, crashed or timed out. "
             "This step may be partly applied on this rank: restart every rank from the last checkpoint") from exc
     return moved if moved is values else moved.to(values.device)
 

@@ -67,3 +67,9 @@ class FusionFallbackWarning(UserWarning):
 
 class CompileFallbackWarning(UserWarning):
     """The compiled fused step could not be used; the eager fused step runs instead."""
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of its message``: another library's exception inside one line of ours."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"

@@ -28,6 +28,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .errors import first_line
 from .fused_optimizer import fuse_optimizer, fusion_report
 
 __all__ = ["describe", "main"]
@@ -123,8 +124,7 @@ _IN_YOUR_SCRIPT = "fuse_optimizer(optimizer, verify=3), then print(fusion_report
 
 
 def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0].rstrip('.') if lines else ''}"
+    return first_line(exc).rstrip(".")  # (a sentence of ours follows)
 
 
 def describe(cls, kwargs: Optional[dict] = None, steps: int = 3) -> List[str]:
