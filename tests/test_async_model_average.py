@@ -315,6 +315,7 @@ def _leave(rank, world, log_dir, abort_at_end, peer_stays):
     parent times it. Warnings (the exit abort warns where it cannot finish) go to a file per rank.
     ``peer_stays``: rank 1 stays alive without reaching its own exit (a long evaluation or save)
     until rank 0's process is gone, so rank 0 leaves with a peer that never comes."""
+    import gc
     import os
     import warnings
 
@@ -330,7 +331,7 @@ def _leave(rank, world, log_dir, abort_at_end, peer_stays):
     warnings.simplefilter("always")
     model = Linear()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    wrapped, _ = bagua_init(model, optimizer, "async", sync_interval_ms=0, warmup_steps=2, timeout=EXIT_TIMEOUT)
+    wrapped, optimizer = bagua_init(model, optimizer, "async", sync_interval_ms=0, warmup_steps=2, timeout=EXIT_TIMEOUT)
     for step in range(STEPS):
         optimizer.zero_grad()
         wrapped(_data(rank, step)).backward()
@@ -339,6 +340,11 @@ def _leave(rank, world, log_dir, abort_at_end, peer_stays):
     rounds = wrapped.algorithm.rounds_started
     if abort_at_end:
         wrapped.algorithm.abort()  # as HF's callback does at the end of train()
+    # a script's training function returns: its model and optimizer go, and the garbage collector
+    # may free them before the exit (here always); the rounds they left running must still end
+    # at exit (a weak reference from the exit hook lost them: no abort, no warning, a SIGABRT)
+    del wrapped, optimizer, model
+    gc.collect()
     if peer_stays and rank == 1:
         store = _torch_compat.default_store()  # served by rank 0's process: fails once it is gone
         give_up = time.monotonic() + 60
@@ -362,6 +368,7 @@ def _threads_left_at_exit(rank, world, log_dir, algorithm):
     """Train, then leave as a script does; the last exit handler (registered first) writes which
     gloo threads still run when the interpreter's teardown begins."""
     import atexit
+    import gc
     import json
     import os
 
@@ -376,20 +383,24 @@ def _threads_left_at_exit(rank, world, log_dir, algorithm):
     atexit.register(record_at_exit)
     model = Linear()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    extra = {"async": dict(sync_interval_ms=0, warmup_steps=2), "hierarchical": dict(hierarchical_reduce=True),
+    rounds = dict(sync_interval_ms=0, warmup_steps=2)
+    extra = {"async": rounds, "async, model dropped": rounds, "hierarchical": dict(hierarchical_reduce=True),
              "own group": dict(process_group=torch.distributed.new_group())}  # the program keeps no reference
-    wrapped, _ = bagua_init(model, optimizer, algorithm if algorithm == "async" else "gradient_allreduce",
-                            **extra.get(algorithm, {}))
+    wrapped, optimizer = bagua_init(model, optimizer, "async" if algorithm.startswith("async") else "gradient_allreduce",
+                                    **extra.get(algorithm, {}))
     for step in range(8):
         optimizer.zero_grad()
         wrapped(_data(rank, step)).backward()
         optimizer.step()
     before = gloo_threads()
+    if algorithm == "async, model dropped":  # a training function returned, a collection ran
+        del wrapped, optimizer, model
+        gc.collect()
     return len(before)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from Linux's /proc")
-@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "async", "hierarchical", "own group"])
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "async", "async, model dropped", "hierarchical", "own group"])
 def test_gloo_threads_are_joined_before_the_interpreter_tears_down(tmp_path, algorithm):
     """The exit race's cause, checked directly: a gloo worker thread still running when Python
     finalizes can drop the last reference to a Python tensor there and kill the rank with
@@ -399,7 +410,9 @@ def test_gloo_threads_are_joined_before_the_interpreter_tears_down(tmp_path, alg
     ``torch.distributed.nn.functional``, which binds ``group=WORLD`` when it is imported after
     ``init_process_group`` (building any torch optimizer imports it), nor the node groups of a
     hierarchical reduction (4 ranks as 2 nodes x 2), nor a model the loop is done with (its
-    gradient hooks held it in a cycle the garbage collector could not see), with a group of its own."""
+    gradient hooks held it in a cycle the garbage collector could not see), with a group of its own.
+    async's rounds end at exit even when the garbage collector freed its model first (its exit
+    hook held it weakly: the rounds' group, and its threads, outlived the model into the teardown)."""
     import json
 
     hierarchy = dict(world_size=4, env={"LOCAL_WORLD_SIZE": 2}) if algorithm == "hierarchical" else dict(world_size=2)

@@ -44,7 +44,6 @@ import queue
 import threading
 import time
 import warnings
-import weakref
 from typing import Optional
 
 import torch
@@ -253,15 +252,14 @@ class AsyncModelAverage(ModelAlgorithm):
         if self.worker is None:
             self.worker = _Averager(self.averaging_group, self.timeout)
             self.worker.start()
-            me = weakref.ref(self)
-
-            def abort_at_exit():
-                algorithm = me()
-                if algorithm is not None:
-                    algorithm._abort_at_exit()
-
-            self._exit_hook = abort_at_exit
-            atexit.register(abort_at_exit)
+            # A strong reference, on purpose: while the worker runs, the exit must end its rounds
+            # with the peers. A script whose training function returns drops the model and this
+            # algorithm; if the garbage collector then freed them (a weak reference), the exit
+            # would skip the abort: its peers waited out their timeouts, and the worker's gloo
+            # threads ran into the interpreter's teardown (a SIGABRT, 1 exit in ~60 on a loaded
+            # machine; every exit once a collection ran). :meth:`_stop_worker` lets go of it.
+            self._exit_hook = self._abort_at_exit
+            atexit.register(self._exit_hook)
         flats = self.pack.gather()
         if self._round_memory is None:  # the same two buffers for every round (see _destroy_group)
             self._round_memory = ([torch.empty_like(flat) for flat in flats], [torch.empty_like(flat) for flat in flats])
