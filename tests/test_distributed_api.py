@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _dist_models import MLP, Branchy, global_batches, loss_fn
-from _dist_utils import run_ranks
+from _dist_utils import run_ranks, values
 from bagua_integrations import fuse_optimizer
 from bagua_integrations._flat import pack_tensors
 from bagua_integrations.distributed import (
@@ -418,6 +418,8 @@ def _freed_once_dropped(rank, world, algorithm):
             optimizer.zero_grad()
             wrapped(torch.full((2, 4), float(rank + step))).sum().backward()
             optimizer.step()
+        if algorithm == "async":  # the end of training (HF's callback does it): its rounds keep it until then
+            wrapped.algorithm.abort()
         return [weakref.ref(o) for o in (model, wrapped, optimizer)]
 
     refs = build_and_train()
@@ -471,6 +473,49 @@ def test_ranks_started_by_a_launcher_without_a_process_group_are_refused(monkeyp
         bagua_init(model, torch.optim.SGD(model.parameters(), lr=0.1))
     monkeypatch.setenv("WORLD_SIZE", "1")
     bagua_init(model, torch.optim.SGD(model.parameters(), lr=0.1))[0].close()
+
+
+def _close_a_switch_wrapper(rank, world):
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapper = ModelSwitchWrapper(model, optimizer).switch_to("gradient_allreduce")
+    x = torch.full((2, 8), float(rank + 1))
+
+    def grads(forward):
+        optimizer.zero_grad()
+        forward(x).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    averaged = grads(wrapper)
+    wrapper.close()
+    wrapper.close()  # once is enough
+    alone = grads(model)  # the plain model trains alone: no hook averages it any more
+    try:
+        wrapper(x)
+        refused = False
+    except DistributedError:
+        refused = True
+    wrapper.switch_to("gradient_allreduce")  # and attaches again
+    again = grads(wrapper)
+    torch.manual_seed(0)
+    plain = MLP()  # the same weights (no step was taken), never wrapped
+    plain(x).sum().backward()
+    local = [p.grad for p in plain.parameters()]
+    expected = [g.clone() for g in local]
+    for g in expected:
+        torch.distributed.all_reduce(g)
+        g /= world
+    return dict(refused=refused, local=all(torch.equal(a, b) for a, b in zip(alone, local)),
+                averaged=all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(averaged, expected)),
+                again=all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(again, expected)))
+
+
+def test_a_model_switch_wrapper_closes_and_its_model_trains_alone():
+    """ModelSwitchWrapper had no close(): its model stayed attached, and a rank meant to go on alone
+    (dropping the wrapper does not detach it) kept averaging its gradients with the others."""
+    for result in values(run_ranks(_close_a_switch_wrapper, 2, timeout=120)):
+        assert result == dict(refused=True, local=True, averaged=True, again=True), result
 
 
 def test_a_closed_wrapper_refuses_to_train_but_still_evaluates():

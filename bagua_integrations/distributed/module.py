@@ -509,7 +509,12 @@ class BaguaModule(torch.nn.Module, Joinable):
             self.reducer.enabled = previous
 
     def close(self) -> None:
-        """Remove every hook this wrapper installed (used when switching algorithms)."""
+        """Remove every hook this wrapper installed (used when switching algorithms); once is enough.
+
+        Dropping the wrapper does not do this: the model and the optimizer keep their hooks, and
+        so the wrapper (the model stays attached), as documented; close() is how a rank goes on alone."""
+        if self._closed:
+            return
         _ATTACHED.pop(self.module, None)
         for handle in self._handles:
             handle.remove()
@@ -735,7 +740,7 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
         algorithm = _configure(distributed_algorithm, self.hierarchical_reduce, self.settings["message_size"], kwargs)
         first = self._current is None
         if not first:
-            self._current.close()
+            self._current.close()  # (nothing left to remove after our close())
             self._set_current(None)
             group, timeout = self.settings["process_group"], self.settings["timeout"]
             allreduce_parameters(self.module, group=group, timeout=timeout)
@@ -794,6 +799,12 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
 
     def unwrap(self) -> torch.nn.Module:
         return self.module
+
+    def close(self) -> None:
+        """Detach the current algorithm (:meth:`BaguaModule.close`): the plain model trains alone,
+        a training forward through this wrapper is refused, and :meth:`switch_to` attaches again."""
+        if self._current is not None:
+            self._current.close()
 
     def report_metrics(self, score_record_list) -> None:
         """Bagua's autotuner: see :meth:`BaguaModule.report_metrics` (the current algorithm's tuner)."""

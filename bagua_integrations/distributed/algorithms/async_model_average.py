@@ -257,7 +257,7 @@ class AsyncModelAverage(ModelAlgorithm):
             # algorithm; if the garbage collector then freed them (a weak reference), the exit
             # would skip the abort: its peers waited out their timeouts, and the worker's gloo
             # threads ran into the interpreter's teardown (a SIGABRT, 1 exit in ~60 on a loaded
-            # machine; every exit once a collection ran). :meth:`_stop_worker` lets go of it.
+            # machine; every exit once a collection ran). :meth:`_stop_worker` (abort, close) lets go.
             self._exit_hook = self._abort_at_exit
             atexit.register(self._exit_hook)
         flats = self.pack.gather()
@@ -341,6 +341,10 @@ class AsyncModelAverage(ModelAlgorithm):
         self._settle(apply=True, what="async abort")
         with self._failing():
             self._average_now(self.group, "async abort: final synchronous average")
+        # No round left to finish: the worker goes (resume() starts another), and with it the exit
+        # hook's hold on this algorithm, so a model dropped after abort() is freed (one per trial of
+        # a search), as a model whose rounds still run is not (see _start_round).
+        self._stop_worker()
 
     def _settle(self, apply: bool, what: str) -> None:
         """Finish, on every rank, every round any rank has started (a collective), applying their
