@@ -22,6 +22,7 @@ Three details make this work for *any* elementwise optimizer:
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import importlib
@@ -38,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from ._torch_compat import (
     compiled_kernels_may_fuse_multiply_add,
     compiled_steps_unsupported,
+    default_store,
     dynamo_dispatches_foreach_to_modes,
     dynamo_recompile_limit,
     exception_chain,
@@ -50,6 +52,7 @@ from ._torch_compat import (
     block_loops_pass,
     ints_symbolic_from_the_first_graph,
     math_pow_kept_symbolic,
+    process_group_timeout,
     start_cpu_vector_isa_checks,
     start_precompiling_cpu_kernel_header,
 )
@@ -458,17 +461,70 @@ def post_grad_pass(early_stores: bool = False):
     return StepGraphPasses()
 
 
+_AGREEMENTS: Dict[tuple, int] = {}  # ranks of a shard group -> first compiles agreed on so far
+
+
+class PeerCompileFailed(RuntimeError):
+    """Another rank of the shard group could not compile its first step: this rank takes the eager step too."""
+
+
+def agree_on_the_first_compile(group, failure: Optional[str]) -> Optional[str]:
+    """Tell the other ranks of ``group`` whether this rank's first compile of a step succeeded
+    (``failure`` None) and, if it did, wait for theirs: the first failure of a peer, or None.
+
+    Why: a compiled step over FSDP2 shards combines every run's reductions in one all-reduce, the
+    eager step one per run. A rank whose compile failed alone (a compiler crash, a memory limit)
+    went eager and its all-reduces no longer matched its peers': gloo aborted the process
+    ("Received data size doesn't match"), NCCL would hang or read wrong bytes. So the ranks agree
+    before the first compiled step runs, through the rendezvous store (a collective cannot: the
+    failed rank never reaches the compiled one). A failed rank only posts. Every rank compiles a
+    group's first step at the same fused step, in the same order: the n-th agreement of a group
+    is the same one on every rank."""
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(group))
+    number = _AGREEMENTS.get(ranks, 0)
+    _AGREEMENTS[ranks] = number + 1
+    prefix = f"bagua_integrations/first-compile/{'-'.join(map(str, ranks))}/{number}/"
+    store = default_store()
+    store.set(prefix + str(dist.get_rank()), failure or "")
+    if failure is not None:
+        return None
+    try:
+        timeout = process_group_timeout(group)
+    except Exception:  # noqa: BLE001 - private torch API: torch's default then
+        timeout = datetime.timedelta(minutes=30)
+    try:
+        store.wait([prefix + str(rank) for rank in ranks], timeout)
+    except Exception as exc:  # noqa: BLE001 - the store's timeout or a peer gone
+        raise ShardCollectiveError(
+            f"a peer rank of the FSDP2 shard group {list(ranks)} did not reach its first compiled optimizer step "
+            f"within {timeout.total_seconds():g} s ({first_line(exc)}); it stopped, crashed, or was built with "
+            "compile=False (every rank must fuse with the same settings)") from exc
+    for rank in ranks:
+        said = store.get(prefix + str(rank)).decode()
+        if said:
+            return f"rank {rank}: {said}"
+    return None
+
+
 class CompiledStep:
-    """Runs the optimizer's step compiled; counts graphs and compile time; falls back to eager."""
+    """Runs the optimizer's step compiled; counts graphs and compile time; falls back to eager.
+
+    ``agree_over``: the process group of a step over FSDP2 shards whose compiled form makes other
+    collectives than its eager one: the ranks take the first compiled step together or none does
+    (:func:`agree_on_the_first_compile`)."""
 
     _instances = 0
 
-    def __init__(self, max_graphs: int = MAX_GRAPHS, dynamic: Optional[bool] = None):
+    def __init__(self, max_graphs: int = MAX_GRAPHS, dynamic: Optional[bool] = None, agree_over=None):
         self.max_graphs = max_graphs
         self.graphs = 0
         self.compile_seconds = 0.0
         self.compiled_steps = 0
         self.disabled_reason = None
+        self.agree_over = agree_over
+        self._agreed = agree_over is None
         # run length -> param groups: the flat runs whose elements a new graph must not mix (set
         # by the caller before each call; empty for segmented and per-tensor steps)
         self.watched: Dict[int, FrozenSet[int]] = {}
@@ -488,7 +544,14 @@ class CompiledStep:
         scheduler_pass = block_loops_pass() if BLOCK_LOOPS else None
         compile_graph = inductor_with_post_grad_pass(inductor_backend(), post_grad_pass(scheduler_pass is not None),
                                                      scheduler_pass)
-        return with_scalar_prologue(compile_graph, graph_module, example_inputs)
+        compiled = with_scalar_prologue(compile_graph, graph_module, example_inputs)
+        if not self._agreed:  # compiled, and nothing of the step has run yet: the peers too?
+            self._agreed = True
+            failed = agree_on_the_first_compile(self.agree_over, None)
+            if failed is not None:
+                raise PeerCompileFailed(f"the compiled step failed on {failed}; every rank of the FSDP2 shard "
+                                        "group takes the eager step, so that their all-reduces match")
+        return compiled
 
     @staticmethod
     def eligible(optimizer) -> bool:
@@ -539,6 +602,13 @@ class CompiledStep:
                           None)
             if failed is not None:  # the ranks' all-reduce, not the compiler: the eager step would fail too
                 raise failed from None
+            peer = next((e for e in exception_chain(exc, implicit=False) if isinstance(e, PeerCompileFailed)), None)
+            if peer is not None:
+                self._disable(str(peer))
+                return False
+            if not self._agreed:  # this rank's first compile failed: the peers must not run theirs
+                self._agreed = True
+                agree_on_the_first_compile(self.agree_over, _describe(exc))
             self._disable(_describe(exc))
             return False
         written = _floats_written(floats_before, _python_floats(optimizer))

@@ -614,8 +614,9 @@ class Fusion:
             # a step that branches on per-parameter values keeps a journal, to be undone where they
             # disagree; it stays eager (a compiled step cannot branch on a tensor's value)
             branches = any(group.value_branches for group in groups)
+            shards = self.config.shard_group  # (its compiled all-reduces are not the eager step's)
             compiled = None if branches or self.compiled_step is None or self._segmented_compile_refused() \
-                else CompiledStep()
+                else CompiledStep(agree_over=shards.group if shards is not None else None)
             mode = SegmentedMode(segmentations, lone_lists_over_runs=any(group.lone_lists_over_runs for group in groups),
                                  journal=branches)
             if compiled is not None:  # the compiled step's per-block index, built once per layout

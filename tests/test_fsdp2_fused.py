@@ -776,3 +776,40 @@ def test_a_peer_that_stops_is_a_named_communication_error_not_a_compile_fallback
     assert "restart every rank from the last checkpoint" in raised
     assert not fallbacks, fallbacks
     assert compiled == compile
+
+
+def _compile_fails_on_one_rank(rank, world):
+    """Rank 1's compiler crashes (as a compiler can on one machine: memory, a cache race); rank 0's works."""
+    import warnings
+
+    from bagua_integrations import CompileFallbackWarning, _compile
+
+    if rank == 1:
+        def crashing_backend(self, graph_module, example_inputs):
+            raise RuntimeError("simulated compiler crash on rank 1 only")
+
+        _compile.CompiledStep._backend = crashing_backend
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worst, paths, fused, compiled = _fused_vs_unfused(rank, world, "lamb", compile=True)
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    return worst, paths, compiled, fallbacks
+
+
+def test_a_compile_that_fails_on_one_rank_sends_every_rank_to_the_eager_step():
+    """The compiled step over shards makes one all-reduce per step, the eager step one per run: a rank
+    whose compile failed alone went eager, and gloo aborted it ("Received data size doesn't match",
+    SIGABRT; NCCL would hang or read wrong bytes). The ranks now agree before the first compiled step."""
+    from _dist_utils import run_ranks, values
+    from bagua_integrations._compile import compile_unavailable_reason
+
+    if compile_unavailable_reason("segmented") is not None:
+        pytest.skip("this torch does not compile fused steps")
+    results = values(run_ranks(_compile_fails_on_one_rank, 2, timeout=240, pg_timeout=60,
+                               env={"OMP_NUM_THREADS": "1"}))
+    for rank, (worst, paths, compiled, fallbacks) in enumerate(results):
+        assert paths == ["segmented"] and not compiled, (rank, paths, compiled)
+        assert worst < RTOL, f"rank {rank}: relative difference {worst:.2e}"
+        assert len(fallbacks) == 1, fallbacks
+    assert "simulated compiler crash on rank 1 only" in results[1][3][0]
+    assert "failed on rank 1" in results[0][3][0] and "simulated compiler crash" in results[0][3][0]
