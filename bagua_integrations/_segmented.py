@@ -656,7 +656,8 @@ _DIM_KEYWORDS = ("dim", "axis")
 def _dims_given(kwargs) -> bool:
     """Whether a call names dimensions to reduce along. ``Tensor.norm`` hands ``dim=None`` on as a
     keyword, so ``p.norm()`` reduces the whole tensor as ``torch.linalg.vector_norm(p)`` does."""
-    for key in _DIM_KEYWORDS:  # (a plain loop: see _along_dims)
+    # (a plain loop, not any() over a generator: each would be a call a compiled step's trace inlines per op)
+    for key in _DIM_KEYWORDS:
         if kwargs.get(key) is not None:
             return True
     return False
@@ -669,12 +670,7 @@ _SHAPE_READS = {torch.Tensor.size, torch.Tensor.stride, torch.Tensor.unsqueeze, 
 
 def _along_dims(func, kwargs) -> bool:
     """``func`` works along named dimensions (``dim=``/``axis=``), which a run does not have."""
-    # (a plain loop, not any() over a generator: each would be a call a compiled step's trace inlines per op)
-    if kwargs and func not in _SHAPE_READS:
-        for key in _DIM_KEYWORDS:
-            if kwargs.get(key) is not None:
-                return True
-    return False
+    return bool(kwargs) and func not in _SHAPE_READS and _dims_given(kwargs)
 
 
 def _gathered(func, seg: "Segmentation", values: List[Any], along_dims: bool) -> torch.Tensor:

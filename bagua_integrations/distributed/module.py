@@ -740,7 +740,7 @@ class ModelSwitchWrapper(torch.nn.Module, Joinable):
         algorithm = _configure(distributed_algorithm, self.hierarchical_reduce, self.settings["message_size"], kwargs)
         first = self._current is None
         if not first:
-            self._current.close()  # (nothing left to remove after our close())
+            self._current.close()  # (a no-op if ModelSwitchWrapper.close() closed it already)
             self._set_current(None)
             group, timeout = self.settings["process_group"], self.settings["timeout"]
             allreduce_parameters(self.module, group=group, timeout=timeout)
