@@ -670,7 +670,11 @@ _SHAPE_READS = {torch.Tensor.size, torch.Tensor.stride, torch.Tensor.unsqueeze, 
 
 def _along_dims(func, kwargs) -> bool:
     """``func`` works along named dimensions (``dim=``/``axis=``), which a run does not have."""
-    return bool(kwargs) and func not in _SHAPE_READS and _dims_given(kwargs)
+    # (`if kwargs`, not bool(kwargs): torch 2.11's compiled trace cannot call bool() on a dict, and the
+    # compiled step would fall back to the eager one)
+    if kwargs and func not in _SHAPE_READS:
+        return _dims_given(kwargs)
+    return False
 
 
 def _gathered(func, seg: "Segmentation", values: List[Any], along_dims: bool) -> torch.Tensor:
