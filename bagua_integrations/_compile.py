@@ -22,7 +22,6 @@ Three details make this work for *any* elementwise optimizer:
 
 from __future__ import annotations
 
-import datetime
 import functools
 import hashlib
 import importlib
@@ -490,10 +489,7 @@ def agree_on_the_first_compile(group, failure: Optional[str]) -> Optional[str]:
     store.set(prefix + str(dist.get_rank()), failure or "")
     if failure is not None:
         return None
-    try:
-        timeout = process_group_timeout(group)
-    except Exception:  # noqa: BLE001 - private torch API: torch's default then
-        timeout = datetime.timedelta(minutes=30)
+    timeout = process_group_timeout(group)
     try:
         store.wait([prefix + str(rank) for rank in ranks], timeout)
     except Exception as exc:  # noqa: BLE001 - the store's timeout or a peer gone

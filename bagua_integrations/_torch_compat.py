@@ -14,6 +14,7 @@ local ``+cpu``/``+cu130`` part) and name the releases they cover.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import importlib
 import math
@@ -533,16 +534,25 @@ def default_store():
     return distributed_c10d._get_default_store()
 
 
-def process_group_timeout(group=None):
+#: torch's default timeout of a process group's collectives (where a group's own cannot be read)
+DEFAULT_PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def process_group_timeout(group=None, default: Optional[datetime.timedelta] = DEFAULT_PROCESS_GROUP_TIMEOUT):
     """The timeout (a ``timedelta``) the CPU backend of ``group`` (default: the world) runs its collectives with.
 
-    Private: ``ProcessGroup._get_backend(device).options._timeout``. Only used to name the
-    deadline in a warning; callers treat any error as "unknown".
+    Private: ``ProcessGroup._get_backend(device).options._timeout``. Where that cannot be read,
+    ``default`` (torch's own default), or the error with ``default=None``.
     """
     import torch.distributed as dist
 
     pg = dist.group.WORLD if group is None else group
-    return pg._get_backend(torch.device("cpu")).options._timeout
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - private torch API
+        if default is None:
+            raise
+        return default
 
 
 def inductor_checked_cpu_vector_isas() -> bool:

@@ -649,8 +649,21 @@ def test_process_group_timeout_is_the_init_timeout(private_api, one_rank_gloo_gr
 
     name = "process_group_timeout"
     with private_api(name):
-        assert compat.process_group_timeout() == datetime.timedelta(seconds=7), changed(name)
-        assert compat.process_group_timeout(dist.group.WORLD) == datetime.timedelta(seconds=7), changed(name)
+        assert compat.process_group_timeout(default=None) == datetime.timedelta(seconds=7), changed(name)
+        assert compat.process_group_timeout(dist.group.WORLD, default=None) == datetime.timedelta(seconds=7), changed(name)
+
+
+def test_process_group_timeout_falls_back_to_torch_default_where_it_cannot_be_read():
+    import datetime
+
+    class Unreadable:
+        def _get_backend(self, device):
+            raise RuntimeError("no backend")
+
+    assert compat.process_group_timeout(Unreadable()) == datetime.timedelta(minutes=30)
+    assert compat.process_group_timeout(Unreadable(), default=datetime.timedelta(seconds=3)) == datetime.timedelta(seconds=3)
+    with pytest.raises(RuntimeError, match="no backend"):
+        compat.process_group_timeout(Unreadable(), default=None)
 
 
 TESTED.update({"default_store", "process_group_timeout"})

@@ -408,7 +408,7 @@ def _stall_message(what: str, info: _GroupInfo, seq: int, store, waited: float, 
         limit = f"at the timeout, {delta.total_seconds():g}s after it started (bagua_init(timeout=...))"
     else:
         try:
-            limit = f"at the process group's timeout ({_torch_compat.process_group_timeout(info.group).total_seconds():g}s)"
+            limit = f"at the process group's timeout ({_torch_compat.process_group_timeout(info.group, default=None).total_seconds():g}s)"
         except Exception:  # noqa: BLE001
             limit = "at the process group's timeout"
     return (

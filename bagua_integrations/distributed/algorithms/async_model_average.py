@@ -317,10 +317,7 @@ class AsyncModelAverage(ModelAlgorithm):
         the worker reports the failure by then; at exit (a shorter timeout) it gives up first."""
         if self.timeout is not None:
             return self.timeout.total_seconds()
-        try:
-            return process_group_timeout(self.group).total_seconds()
-        except Exception:  # noqa: BLE001 - private torch API: unknown means torch's default
-            return 1800.0
+        return process_group_timeout(self.group).total_seconds()
 
     def _average_now(self, group, what: str) -> None:
         flats = self.pack.gather()
