@@ -28,7 +28,9 @@ tensor written or viewed otherwise.
 
 Torch before 2.13 also gets a ``min``/``max`` of floats hoisted, for correctness: its C++
 kernels evaluate them in int64 (``_torch_compat.cpu_kernels_truncate_float_min_max``), also
-where only 0-dim tensor math reads it (pytorch-optimizer's AdaFactor scales its 0-dim rate by one).
+where only 0-dim tensor math reads it (pytorch-optimizer's AdaFactor scales its 0-dim rate by one),
+and where scalar math the prologue cannot replay reads it (``lr * min(1.0, step / warmup)`` with a
+scheduled rate, which Dynamo makes an input): there every use reads it back as a Python float.
 
 GPU steps get no prologue; their 0-dim step-count math is done in double precision inside the
 graph instead (:func:`_device_step_math_in_double`).
@@ -92,6 +94,9 @@ def _tensor_result(node: torch.fx.Node, zero_dim: bool) -> Optional[torch.Tensor
 
 # node.meta key: a hoisted scalar that replaces the Python scalar in 0-dim tensor operations too
 _INTO_ZERO_DIM = "bagua_hoisted_into_zero_dim_ops"
+# node.meta key: a hoisted scalar that every use reads back as a Python float (``.item()`` of a
+# float64 input), where scalar math that cannot be replayed reads it (see _hoistable)
+_AS_ITEM = "bagua_hoisted_as_item"
 
 
 def _users_feeding_cpu_tensor_ops(node: torch.fx.Node, zero_dim: bool = False) -> List[torch.fx.Node]:
@@ -111,6 +116,21 @@ _VIEWS = {"view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "sq
 
 def _name(target) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def _reaches_cpu_kernels_through_scalars(node: torch.fx.Node) -> bool:
+    """Whether scalar math over ``node`` (not ``node`` itself) feeds CPU tensor operations."""
+    pending = [user for user in node.users if _is_symbolic_scalar(user)]
+    seen = set()
+    while pending:
+        user = pending.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if _users_feeding_cpu_tensor_ops(user, zero_dim=True):
+            return True
+        pending.extend(u for u in user.users if _is_symbolic_scalar(u))
+    return False
 
 
 def _written_or_aliased(node: torch.fx.Node) -> List[torch.fx.Node]:
@@ -229,6 +249,11 @@ def _hoistable(gm: torch.fx.GraphModule) -> Tuple[List[torch.fx.Node], torch.fx.
             hoist = bool(_users_feeding_cpu_tensor_ops(node, zero_dim=truncated.get(node, False)))
             if hoist:
                 node.meta[_INTO_ZERO_DIM] = truncated.get(node, False)
+            if truncated.get(node, False) and _reaches_cpu_kernels_through_scalars(node):
+                # Scalar math that cannot be replayed reads it (``lr * min(1.0, step / warmup)``, with a
+                # learning rate Dynamo made an input): Inductor would inline the min/max into the
+                # kernel with it. Every use reads the hoisted value back as a Python float instead.
+                hoist = node.meta[_AS_ITEM] = True
         if hoist:
             chosen.append(node)
             outputs.append(env[node])
@@ -313,12 +338,34 @@ def _device_step_math_in_double(gm: torch.fx.GraphModule) -> torch.fx.GraphModul
     return gm
 
 
+class FloatMinMaxInKernel(RuntimeError):
+    """A ``min``/``max`` of floats that a C++ kernel of this torch release would compute wrong."""
+
+
+def _refuse_float_min_max_in_cpu_kernels(gm: torch.fx.GraphModule) -> None:
+    """Raise :class:`FloatMinMaxInKernel` where a ``min``/``max`` of floats the prologue could not
+    compute (one that reads a learning rate Dynamo made an input: ``min(lr * 10, step / 3)``) still
+    reaches a CPU kernel of a torch release that evaluates it in int64 there (silently wrong:
+    0.28 relative after six steps on torch 2.11). The compiled step falls back to the eager one."""
+    if not cpu_kernels_truncate_float_min_max():
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _MIN_MAX and _is_float_scalar(node) and (
+                _users_feeding_cpu_tensor_ops(node, zero_dim=True) or _reaches_cpu_kernels_through_scalars(node)):
+            where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.name]
+            raise FloatMinMaxInKernel(
+                f"torch {torch.__version__} computes a min()/max() of floats in its C++ kernels in int64, and this "
+                f"step's `{where[0].strip()}` reads a learning rate the compiled step keeps as an input; torch 2.13 "
+                "or later compiles it exactly")
+
+
 def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, example_inputs: List) -> Callable:
     """``compile_graph(gm, example_inputs)`` with expensive scalar expressions moved to a Python
     prologue (CPU kernels), and GPU step-count math in double precision."""
     gm = _device_step_math_in_double(gm)
     chosen, prologue = _hoistable(gm)
     if not chosen:
+        _refuse_float_min_max_in_cpu_kernels(gm)
         return compile_graph(gm, example_inputs)
     gm, chosen = _copy(gm, chosen)  # Dynamo reads its own graph again after the backend returns
     from torch._guards import detect_fake_mode
@@ -334,6 +381,8 @@ def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, exam
         zero_dim = zero_dim if isinstance(zero_dim, torch.Tensor) else None
         if zero_dim is not None:  # every read of it takes the hoisted value (same dtype: promotion unchanged)
             uses, dtype, device = list(node.users), zero_dim.dtype, zero_dim.device
+        elif node.meta.get(_AS_ITEM, False):  # every use reads it back, as the Python float it was
+            uses, dtype, device = [], torch.float64, torch.device("cpu")
         else:  # a Python scalar becomes a tensor of the compute type, where tensor operations read it
             zero_dim_uses = node.meta.get(_INTO_ZERO_DIM, False)
             uses = _users_feeding_cpu_tensor_ops(node, zero_dim=zero_dim_uses)
@@ -351,10 +400,16 @@ def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, exam
         anchor = placeholder
         for user in uses:
             user.replace_input_with(node, placeholder)
+        if node.meta.get(_AS_ITEM, False):
+            with graph.inserting_before(node):
+                as_float = graph.call_method("item", (placeholder,))
+            as_float.meta["example_value"] = node.meta.get("example_value")
+            node.replace_all_uses_with(as_float)
     # (no eliminate_dead_code: FX would drop the step's in-place updates, which have no users;
     # the scalar nodes left unused are dropped by AOT/Inductor)
     graph.lint()
     gm.recompile()
+    _refuse_float_min_max_in_cpu_kernels(gm)
     devices = [e.device for e in extra_examples]
     # the new inputs replace scalars that were computed in place (no buffer read): keep Inductor's
     # store-vs-recompute choices as they were without them

@@ -8,11 +8,13 @@ flat buffer; LAMB's compiled step took 3x longer. These tests pin what the pass 
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from bagua_integrations._compile import compiler_available
+from bagua_integrations.errors import CompileFallbackWarning
 from bagua_integrations._scalar_prologue import _hoistable, with_scalar_prologue
 from bagua_integrations._torch_compat import inductor_backend
 
@@ -108,6 +110,93 @@ def test_a_float_max_of_the_step_gives_the_eager_numbers():
         warmup_linear_step(ref, update, ref_state)
         torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-9)
     assert float(ref.abs().max()) > 0.005  # the decay branch moved it
+
+
+
+class WarmupSGD(torch.optim.Optimizer):
+    """A warm-up of a Python int step count times the group's (scheduled) learning rate."""
+
+    def __init__(self, params, lr=1e-2, warmup=3, kind="min"):
+        super().__init__(params, dict(lr=lr, warmup=warmup, kind=kind))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                ramp = state["step"] / group["warmup"]
+                if group["kind"] == "of the rate":  # (the min reads the rate: no prologue can compute it)
+                    p.add_(p.grad, alpha=-min(group["lr"] * 100, ramp) * 0.01)
+                    continue
+                scale = min(1.0, ramp) if group["kind"] == "min" else max(0.5, 2.0 - ramp)
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+@pytest.mark.parametrize("kind", ["min", "max", "of the rate"])
+def test_a_float_min_max_of_the_step_times_a_scheduled_rate_gives_the_eager_numbers(kind):
+    """``lr * min(1.0, step / warmup)`` under LambdaLR. Dynamo makes the rate an input read with
+    ``.item()``, which the prologue cannot replay, so the min() reached the kernel through that
+    product, and torch 2.6 - 2.12 evaluated it in int64 there: compiled, 6e-2 from unfused after
+    the warm-up on torch 2.11, silently. Now it is hoisted and read back as a Python float; a
+    min() of the rate itself (0.28 off), which no prologue can compute, sends the step to eager."""
+    from bagua_integrations import fuse_optimizer
+    from bagua_integrations._torch_compat import floats_need_a_direct_use
+
+    def run(fused):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(7, 5)
+        opt = WarmupSGD(model.parameters(), kind=kind)
+        if fused:
+            fuse_optimizer(opt, compile=True)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            (opt.fuse_step if fused else opt.step)()
+            schedule.step()
+        return model, opt
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (plain, _), (fused, opt) = run(False), run(True)
+    for a, b in zip(plain.parameters(), fused.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    if floats_need_a_direct_use():  # (torch 2.6 - 2.12 keep the rate symbolic: compiled, 2 graphs)
+        fallbacks = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+        if kind == "of the rate":
+            assert any("FloatMinMaxInKernel" in message for message in fallbacks), fallbacks
+        else:
+            assert opt._bagua_fusion.stats.last_step_compiled, fallbacks
+
+
+
+def test_bert_adam_warmup_linear_under_a_scheduler_gives_the_eager_numbers():
+    """BertAdam's own ``max(0, ...)`` decay times a rate an outside scheduler changes: compiled on
+    torch 2.11, 1.1 relative from unfused after the warm-up before the fix above."""
+    from bagua_integrations import fuse_optimizer
+    from bagua_integrations.optim import BertAdam
+
+    def run(fused):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        opt = BertAdam(model.parameters(), lr=1e-2, warmup=0.3, t_total=10, schedule="warmup_linear")
+        if fused:
+            fuse_optimizer(opt, compile=True)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 3, generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            (opt.fuse_step if fused else opt.step)()
+            schedule.step()
+        return model
+
+    for a, b in zip(run(False).parameters(), run(True).parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------- 0-dim tensors of the step
