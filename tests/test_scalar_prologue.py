@@ -133,6 +133,25 @@ class WarmupSGD(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"] * scale)
 
 
+def _trained_under_lambda_lr(model, opt, fused: bool, steps: int):
+    """``steps`` steps of ``opt`` (fused and compiled: ``fuse_step``) on ``model`` (7 inputs) under
+    ``LambdaLR``; ``(model, opt)``."""
+    from bagua_integrations import fuse_optimizer
+
+    if fused:
+        fuse_optimizer(opt, compile=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 7, generator=gen)
+        out = model(x)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(out, torch.randn(out.shape, generator=gen)).backward()
+        (opt.fuse_step if fused else opt.step)()
+        schedule.step()
+    return model, opt
+
+
 @pytest.mark.parametrize("kind", ["min", "max", "of the rate"])
 def test_a_float_min_max_of_the_step_times_a_scheduled_rate_gives_the_eager_numbers(kind):
     """``lr * min(1.0, step / warmup)`` under LambdaLR. Dynamo makes the rate an input read with
@@ -140,24 +159,12 @@ def test_a_float_min_max_of_the_step_times_a_scheduled_rate_gives_the_eager_numb
     product, and torch 2.6 - 2.12 evaluated it in int64 there: compiled, 6e-2 from unfused after
     the warm-up on torch 2.11, silently. Now it is hoisted and read back as a Python float; a
     min() of the rate itself (0.28 off), which no prologue can compute, sends the step to eager."""
-    from bagua_integrations import fuse_optimizer
     from bagua_integrations._torch_compat import floats_need_a_direct_use
 
     def run(fused):
         torch.manual_seed(0)
         model = torch.nn.Linear(7, 5)
-        opt = WarmupSGD(model.parameters(), kind=kind)
-        if fused:
-            fuse_optimizer(opt, compile=True)
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch))
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(6):
-            x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            (opt.fuse_step if fused else opt.step)()
-            schedule.step()
-        return model, opt
+        return _trained_under_lambda_lr(model, WarmupSGD(model.parameters(), kind=kind), fused, steps=6)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -172,28 +179,16 @@ def test_a_float_min_max_of_the_step_times_a_scheduled_rate_gives_the_eager_numb
             assert opt._bagua_fusion.stats.last_step_compiled, fallbacks
 
 
-
 def test_bert_adam_warmup_linear_under_a_scheduler_gives_the_eager_numbers():
     """BertAdam's own ``max(0, ...)`` decay times a rate an outside scheduler changes: compiled on
     torch 2.11, 1.1 relative from unfused after the warm-up before the fix above."""
-    from bagua_integrations import fuse_optimizer
     from bagua_integrations.optim import BertAdam
 
     def run(fused):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
         opt = BertAdam(model.parameters(), lr=1e-2, warmup=0.3, t_total=10, schedule="warmup_linear")
-        if fused:
-            fuse_optimizer(opt, compile=True)
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch))
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(8):
-            x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 3, generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            (opt.fuse_step if fused else opt.step)()
-            schedule.step()
-        return model
+        return _trained_under_lambda_lr(model, opt, fused, steps=8)[0]
 
     for a, b in zip(run(False).parameters(), run(True).parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
