@@ -275,6 +275,22 @@ def test_compiled_step_follows_schedules_over_rectified_steps(name):
     assert_same_params(a, b, rtol=2e-5, atol=atol)
 
 
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, -1.0], ids=["clipped", "unclipped"])
+def test_compiled_bert_adam_warm_up_under_an_outside_schedule_matches_unfused(max_grad_norm):
+    """BertAdam's own ``warmup_linear`` (a ``max(0, ...)`` of the step count) times a rate LambdaLR
+    changes: before torch 2.13, CPU kernels computed that max in int64 (1.1 relative from unfused
+    on torch 2.11 before the prologue fix). Exact, compiled or not (recompiles may switch it off)."""
+    kwargs = dict(lr=1e-2, warmup=0.3, t_total=10, schedule="warmup_linear", max_grad_norm=max_grad_norm)
+    a, b = make_params(BIG_SHAPES), make_params(BIG_SHAPES)
+    plain = BertAdam(param_groups(a, lr=1e-2 / 3), **kwargs)
+    fused = fuse_optimizer(BertAdam(param_groups(b, lr=1e-2 / 3), **kwargs), compile=True)
+    schedulers = [O.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) for opt in (plain, fused)]
+    train_pair(a, plain, b, fused, steps=8, schedulers=schedulers)
+    atol = 3e-6 if DEVICE == "cpu" and max_grad_norm > 0 else 1e-6  # (see the test above)
+    assert_same_params(a, b, rtol=2e-5, atol=atol)
+
+
 # --------------------------------------------------------------------------- d. distributed on CUDA tensors
 WORLD = 2
 STEPS = 4
