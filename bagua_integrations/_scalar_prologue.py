@@ -338,25 +338,41 @@ def _device_step_math_in_double(gm: torch.fx.GraphModule) -> torch.fx.GraphModul
     return gm
 
 
+def _reads_python_ints(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is computed from a symbolic Python int input (a step count). Only those are
+    printed into a kernel as a symbolic min/max: one of floats read from tensors (torch.optim's
+    Adafactor, ``min(lr, 1 / step_t.item() ** 0.5)``) becomes tensor math, computed right."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder" and isinstance(current.meta.get("example_value"), torch.SymInt):
+            return True
+        pending.extend(current.all_input_nodes)
+    return False
+
+
 class FloatMinMaxInKernel(RuntimeError):
     """A ``min``/``max`` of floats that a C++ kernel of this torch release would compute wrong."""
 
 
 def _refuse_float_min_max_in_cpu_kernels(gm: torch.fx.GraphModule) -> None:
     """Raise :class:`FloatMinMaxInKernel` where a ``min``/``max`` of floats the prologue could not
-    compute (one that reads a learning rate Dynamo made an input: ``min(lr * 10, step / 3)``) still
-    reaches a CPU kernel of a torch release that evaluates it in int64 there (silently wrong:
+    compute (one of the step count and a learning rate Dynamo made an input: ``min(lr * 10, step / 3)``)
+    still reaches a CPU kernel of a torch release that evaluates it in int64 there (silently wrong:
     0.28 relative after six steps on torch 2.11). The compiled step falls back to the eager one."""
     if not cpu_kernels_truncate_float_min_max():
         return
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _MIN_MAX and _is_float_scalar(node) and (
-                _users_feeding_cpu_tensor_ops(node, zero_dim=True) or _reaches_cpu_kernels_through_scalars(node)):
+        if node.op == "call_function" and node.target in _MIN_MAX and _is_float_scalar(node) and _reads_python_ints(node) \
+                and (_users_feeding_cpu_tensor_ops(node, zero_dim=True) or _reaches_cpu_kernels_through_scalars(node)):
             where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.name]
             raise FloatMinMaxInKernel(
                 f"torch {torch.__version__} computes a min()/max() of floats in its C++ kernels in int64, and this "
-                f"step's `{where[0].strip()}` reads a learning rate the compiled step keeps as an input; torch 2.13 "
-                "or later compiles it exactly")
+                f"step's `{where[0].strip()}` mixes the step count with a value the compiled step keeps as an input "
+                "(a scheduled rate); torch 2.13 or later compiles it exactly")
 
 
 def with_scalar_prologue(compile_graph: Callable, gm: torch.fx.GraphModule, example_inputs: List) -> Callable:
