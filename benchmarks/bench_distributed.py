@@ -288,10 +288,20 @@ def codec_rows(elements: int, rounds: int, ranks: int = 2, device: str = "cpu", 
         rows[f"encode, {label}"] = lambda codec=codec: codec.encode_chunks(flat, ranks)
         rows[f"average {ranks} ranks' chunks + encode, {label}"] = lambda codec=codec, r=received, c=chunk: codec.average_chunks(r, c)
         rows[f"decode into the bucket, {label}"] = lambda codec=codec, gd=gathered, o=out, c=chunk: codec.decode_into(gd, o, c)
+        if compiled and codec.folds_momentum(flat):
+            # qadam's first pass on a fused QAdam's bucket: the momentum its gradients make, encoded
+            # (folded in place first where the encoder cannot fold, e.g. an unfused QAdam)
+            grads, momentum = flat.clone(), torch.randn(elements, generator=g).to(device)
+            rows["qadam: fold the momentum in place (lerp_), then encode, compiled"] = (
+                lambda codec=codec, gr=grads, m=momentum: codec.encode_chunks(gr.lerp_(m, 0.9), ranks))
+            rows["qadam: encode the momentum folded as it is read, compiled"] = (
+                lambda codec=codec, gr=grads, m=momentum: codec.encode_chunks(gr, ranks, momentum=(m, 0.9)))
         if compiled:  # a bucket of another size first: the shape-general graphs a model's uneven buckets run
             other = torch.randn(elements + 3 * BLOCK * ranks, generator=g).to(device)
             other_chunk = codec.padded_length(-(-other.numel() // ranks))
             other_sent = codec.encode_chunks(other, ranks)
+            if codec.folds_momentum(other):
+                codec.encode_chunks(other, ranks, momentum=(other.clone(), 0.9))
             codec.decode_into(torch.cat([codec.average_chunks(other_sent, other_chunk)] * ranks), other, other_chunk)
     for fn in rows.values():  # warm-up: compile, first-touch pages
         fn()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _dist_utils import run_ranks, values
+from bagua_integrations._torch_compat import compiled_kernels_may_fuse_multiply_add
 
 WARMUP, STEPS, LR, WD = 3, 8, 0.02, 0.01
 BETAS = [(0.9, 0.999), (0.8, 0.99)]  # two param groups with their own betas
@@ -77,14 +78,23 @@ def _compressed_average(flat, rank, world, block=1024):
     return torch.cat([_decode(c, st, z).reshape(-1) for c, st, z in zip(*parts)])[: flat.numel()]
 
 
-def _reference(rank, world, steps=STEPS):
+def _lerp_fold(grad, momentum, beta1):
+    return grad.clone().lerp_(momentum, beta1)
+
+
+def _reference(rank, world, steps=STEPS, model_fn=_model, groups_fn=_groups, fold=_lerp_fold, align=1):
+    """``fold(grad, m, beta1)``: the momentum a gradient makes. ``align``: the compressed bucket
+    pads each gradient but the last to a multiple of that many elements, with zeros (a fused
+    optimizer's flat buffer starts each parameter on 64 bytes)."""
     import torch.distributed as dist
 
-    model = _model()
-    optimizer = torch.optim.Adam(_groups(model), lr=LR, weight_decay=WD, foreach=False)
+    model = model_fn()
+    optimizer = torch.optim.Adam(groups_fn(model), lr=LR, weight_decay=WD, foreach=False)
     beta1_of = {id(p): g["betas"][0] for g in optimizer.param_groups for p in g["params"]}
     params = [p for p in model.parameters()]
-    used = [p for p in params if p is not model.unused.weight and p is not model.unused.bias]
+    unused = {id(p) for p in model.unused.parameters()} if hasattr(model, "unused") else set()
+    used = [p for p in params if id(p) not in unused]
+    padding = [(-p.numel()) % align if i < len(params) - 1 else 0 for i, p in enumerate(params)]
     for step in range(1, steps + 1):
         x, y = _batch(rank, step)
         optimizer.zero_grad()
@@ -102,17 +112,18 @@ def _reference(rank, world, steps=STEPS):
             optimizer.step()
             continue
         # the bucket holds every parameter's gradient, zeros for the never-used layer
-        moments = torch.cat([p.grad.clone().lerp_(optimizer.state[p]["exp_avg"], beta1_of[id(p)]).reshape(-1)
-                             if p.grad is not None else torch.zeros(p.numel()) for p in params])
+        moments = torch.cat([torch.cat([fold(p.grad, optimizer.state[p]["exp_avg"], beta1_of[id(p)]).reshape(-1)
+                                        if p.grad is not None else torch.zeros(p.numel()), torch.zeros(pad)])
+                             for p, pad in zip(params, padding)])
         averaged = _compressed_average(moments, rank, world)
         offset = 0
         with torch.no_grad():
-            for p in params:
-                offset += p.numel()
+            for p, pad in zip(params, padding):
+                offset += p.numel() + pad
                 if p.grad is None:
                     continue
                 state, beta1 = optimizer.state[p], beta1_of[id(p)]
-                mine = averaged[offset - p.numel() : offset].view_as(p)
+                mine = averaged[offset - pad - p.numel() : offset - pad].view_as(p)
                 state["exp_avg"].copy_(mine).add_(p, alpha=(1 - beta1) * WD)
                 beta2 = next(g["betas"][1] for g in optimizer.param_groups if any(q is p for q in g["params"]))
                 denom = state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**WARMUP)  # frozen v, and |update| <= lr
@@ -254,6 +265,70 @@ def test_fused_qadam_communicates_slices_of_its_flat_buffers_and_matches():
         for a, b in zip(result["plain"], result["fused"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(results[0]["fused"], results[1]["fused"]):
+        assert torch.equal(a, b)
+
+
+def _every_parameter_used():
+    """No parameter a multiple of 16 floats but the first: the fused buffers pad between them."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 61), torch.nn.Tanh(), torch.nn.Linear(61, 5))
+
+
+def _one_group(model):
+    return [{"params": list(model.parameters()), "betas": BETAS[0]}]
+
+
+def _fill_padding_between(tensors, value):
+    """Write ``value`` into the storage between tensors that lie in one flat buffer."""
+    ordered = sorted(tensors, key=lambda t: t.storage_offset())
+    for before, after in zip(ordered, ordered[1:]):
+        start = before.storage_offset() + before.numel()
+        if after.storage_offset() > start:
+            torch.empty(0).set_(before.untyped_storage(), start, (after.storage_offset() - start,)).fill_(value)
+
+
+def _fused_compiled_codec(rank, world):
+    """A fused QAdam whose codec compiles (``BAGUA_COMPILE_CODECS=1``, as buckets of 2**20
+    elements and more do by default): its encoder folds the gradients into the momentum."""
+    import os
+
+    from bagua_integrations import bagua_init, fuse_optimizer
+    from bagua_integrations.distributed.algorithms import bytegrad
+    from bagua_integrations.optim import QAdam
+
+    os.environ["BAGUA_COMPILE_CODECS"] = "1"
+    model = _every_parameter_used()
+    optimizer = fuse_optimizer(QAdam(_one_group(model), lr=LR, warmup_steps=WARMUP, weight_decay=WD), replace_step=True)
+    wrapped, optimizer = bagua_init(model, optimizer, "qadam")
+    assert wrapped.reducer.zero_copy
+    for step in range(1, STEPS + 1):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(wrapped(x), y).backward()
+        optimizer.step()
+        if step == WARMUP:  # the flat momentum's padding belongs to no parameter: it may hold anything
+            _fill_padding_between([optimizer.state[p]["exp_avg"] for p in model.parameters()], 1e20)
+    folding_encoder = bytegrad._KERNELS.get((bytegrad._fold_encode_blocks_into, True, True))
+    ours = [p.detach().clone() for p in model.parameters()], [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    reference = _reference(rank, world, model_fn=_every_parameter_used, groups_fn=_one_group, align=16,
+                           fold=lambda grad, m, beta1: m - (m - grad) * (1 - beta1))
+    return {"ours": ours, "reference": reference, "compiled folds": folding_encoder and folding_encoder.compiled_calls}
+
+
+@pytest.mark.skipif(compiled_kernels_may_fuse_multiply_add("cpu"), reason="the compiled encoder folds only where "
+                    "compiled CPU kernels keep a * b + c as two roundings (torch 2.13 and later)")
+def test_fused_qadam_with_a_compiled_codec_folds_in_the_encoder_and_equals_the_reference():
+    """The compiled encoder reads the gradients and the fused optimizer's flat momentum and
+    encodes the momentum they make (``m - (m - g) * (1 - beta1)``) without storing it: the
+    weights and momenta equal the plain torch.distributed reference's bit for bit, on every rank,
+    whatever the padding of the flat momentum holds. (test_codec checks that folding with
+    ``lerp_`` instead gives other bytes.)"""
+    results = values(run_ranks(_fused_compiled_codec, 2, timeout=300))
+    for rank, result in enumerate(results):
+        assert result["compiled folds"] == STEPS - WARMUP, result["compiled folds"]
+        for a, b in zip(result["reference"][0] + result["reference"][1], result["ours"][0] + result["ours"][1]):
+            assert torch.equal(a, b), f"rank {rank}: max difference {(a - b).abs().max().item():.3g}"
+    for a, b in zip(results[0]["ours"][0], results[1]["ours"][0]):
         assert torch.equal(a, b)
 
 

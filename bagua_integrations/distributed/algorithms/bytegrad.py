@@ -75,6 +75,21 @@ def _encode_blocks_into(values: torch.Tensor, codes_out: torch.Tensor, zero_exac
     return header, scale
 
 
+def _fold_momentum(grads: torch.Tensor, momentum: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+    """``beta1 * m + (1 - beta1) * g`` (``rate``: ``1 - beta1``, a float32 scalar tensor) as
+    ``m - (m - g) * rate``: one subtraction, one product, one subtraction, each rounded on its
+    own in every form (eager, compiled on CPU, in place), so they all give the same bits."""
+    return momentum - (momentum - grads) * rate
+
+
+def _fold_encode_blocks_into(values: torch.Tensor, momentum: torch.Tensor, codes_out: torch.Tensor,
+                             rate: torch.Tensor, zero_exact: bool, levels: int):
+    """:func:`_encode_blocks_into` of the momentum that ``values`` (gradients) make with
+    ``momentum`` (:func:`_fold_momentum`), computed as it is read: the folded momentum is never
+    stored (one pass over the data fewer than folding first, then encoding)."""
+    return _encode_blocks_into(_fold_momentum(values, momentum, rate), codes_out, zero_exact, levels)
+
+
 def _average_chunks(received: torch.Tensor, codes_out: torch.Tensor, block: int, zero_exact: bool, levels: int):
     """The mean of the decoded rows of ``received`` (one per rank), encoded again: the codes into
     ``codes_out`` (blocks, block), the headers (and scales) returned."""
@@ -179,24 +194,54 @@ class MinMaxUInt8:
     def _block_for(self, chunk: int) -> int:
         return self.block if self.block is not None else chunk
 
-    def encode_chunks(self, flat: torch.Tensor, chunks: int) -> torch.Tensor:
+    def encode_chunks(self, flat: torch.Tensor, chunks: int,
+                      momentum: Optional[Tuple[torch.Tensor, float]] = None) -> torch.Tensor:
         """The 1-D ``flat`` cut into ``chunks`` equal rows (zero-padded to whole blocks), each
-        encoded: ``(chunks, bytes per row)`` uint8, the layout :meth:`encode` gives."""
+        encoded: ``(chunks, bytes per row)`` uint8, the layout :meth:`encode` gives.
+
+        ``momentum=(m, beta1)``: encode the momentum ``beta1 * m + (1 - beta1) * flat`` instead
+        (``m`` shaped like ``flat``), computed as ``m - (m - flat) * (1 - beta1)`` while it is
+        read (see :meth:`folds_momentum`); ``flat`` is left as it was.
+        """
         chunk = self.padded_length(-(-flat.numel() // chunks))
         block = self._block_for(chunk)
         packed = torch.empty(chunks * chunk // block, self.header_bytes + block, dtype=torch.uint8, device=flat.device)
         values = flat.reshape(-1).to(torch.float32)
+        if momentum is not None:
+            if momentum[0].shape != flat.shape:
+                raise ValueError(f"momentum of shape {tuple(momentum[0].shape)} for gradients of shape {tuple(flat.shape)}")
+            folded = momentum[0].reshape(-1).to(torch.float32)
+            # float32, as eager torch turns a Python number multiplying a float32 tensor into one
+            rate = torch.tensor(1.0 - momentum[1], dtype=torch.float32, device=flat.device)
         full = values.numel() // block  # whole blocks straight from the bucket (no padded copy of it)
         if full:
-            header, _ = _kernel(_encode_blocks_into, self.compile, self.zero_exact)(
-                values[: full * block].view(full, block), packed[:full, self.header_bytes:], self.zero_exact,
-                self.levels)
+            codes_out = packed[:full, self.header_bytes:]
+            if momentum is None:
+                header, _ = _kernel(_encode_blocks_into, self.compile, self.zero_exact)(
+                    values[: full * block].view(full, block), codes_out, self.zero_exact, self.levels)
+            else:
+                header, _ = _kernel(_fold_encode_blocks_into, self.compile, self.zero_exact)(
+                    values[: full * block].view(full, block), folded[: full * block].view(full, block), codes_out,
+                    rate, self.zero_exact, self.levels)
             packed[:full, : self.header_bytes].copy_(header.view(torch.uint8))
         if full < packed.shape[0]:  # the last partial block and the padding: a few blocks, eagerly
+            rest = values[full * block:]
+            if momentum is not None:
+                rest = _fold_momentum(rest, folded[full * block:], rate)
             tail = torch.zeros((packed.shape[0] - full) * block, dtype=torch.float32, device=flat.device)
-            tail[: values.numel() - full * block] = values[full * block:]
+            tail[: rest.numel()] = rest
             packed[full:] = _encode_rows(tail.view(-1, block), self.zero_exact, self.levels)
         return packed.view(chunks, -1)
+
+    def folds_momentum(self, flat: torch.Tensor) -> bool:
+        """Whether :meth:`encode_chunks` of ``flat`` with ``momentum=`` folds it in a compiled kernel.
+
+        Only then does folding there pay (eagerly it costs more than folding in place first),
+        and only where compiled kernels keep ``a * b + c`` as two roundings (CPU): the encoder's
+        min/max loop and its quantizing loop each compute the fold, and must get the same bits.
+        """
+        return (not compiled_kernels_may_fuse_multiply_add(flat.device.type)
+                and _kernel(_fold_encode_blocks_into, self.compile, self.zero_exact).wants_compiled(flat))
 
     def average_chunks(self, received: torch.Tensor, chunk: int) -> torch.Tensor:
         """``received`` (ranks, bytes) holds one encoded row of ``chunk`` elements per rank:
@@ -262,10 +307,13 @@ class ByteGrad(GradientAlgorithm):
             raise AlgorithmConfigError(f"codec must be a quantizer like MinMaxUInt8(zero_exact=True) (it lacks "
                                        f"{', '.join(missing)}), got {type(self.codec).__name__}")
 
-    def average(self, flat: torch.Tensor, group) -> comm.Stages:
+    def average(self, flat: torch.Tensor, group, momentum: Optional[Tuple[torch.Tensor, float]] = None) -> comm.Stages:
+        """``momentum=(m, beta1)``: average the momentum ``flat`` makes, folded by the encoder
+        (:meth:`MinMaxUInt8.encode_chunks`; ``qadam`` passes it), into ``flat``."""
         size = comm.world_size(group)
         chunk = self.codec.padded_length(-(-flat.numel() // size))
-        sent = self.codec.encode_chunks(flat, size)
+        sent = (self.codec.encode_chunks(flat, size) if momentum is None
+                else self.codec.encode_chunks(flat, size, momentum=momentum))
         received = torch.empty_like(sent)
         yield comm.all_to_all(received, sent, group)
 

@@ -15,7 +15,9 @@ For each bucket of gradients, right before it is communicated:
   and the ranks average those with ``bytegrad``'s uint8 min-max codec (about 2 bytes on the
   wire per element instead of 8), its levels shifted so that 0 stays exactly 0 (an element
   with no gradient yet has ``m = v = 0``, and noise there would be divided by ``eps``). Every rank decodes the same bytes, so every rank's momentum
-  stays equal; the optimizer copies it into ``exp_avg`` (:attr:`QAdam.momentum_in_grad`).
+  stays equal; the optimizer copies it into ``exp_avg`` (:attr:`QAdam.momentum_in_grad`). On a
+  fused QAdam's compiled CPU buckets the encoder folds instead, as it reads the gradients and the
+  flat ``exp_avg`` (one pass fewer; see :meth:`QAdamAlgorithm._momentum_for_encoder`).
 
 A bucket whose parameters are in different phases (one joined the optimizer late, or is not
 in it) is averaged exactly, with the momentum fold applied only to the parameters past warm-up.
@@ -32,10 +34,12 @@ moments are the optimizer's, and go into checkpoints with it.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
+from ..._flat import PackedTensors
 from ...optim.qadam import QAdam
 from .. import comm
 from ..sync import check_same_on_all_ranks
@@ -60,6 +64,19 @@ def _find_qadam(optimizer) -> Optional[QAdam]:
             return candidate
         pending.append(getattr(candidate, "optimizer", None))
     return None
+
+
+def _momenta_laid_out_as(flat: torch.Tensor, grads, momenta) -> Optional[PackedTensors]:
+    """``momenta`` as one flat view in which each lies where its gradient lies in ``flat``, or None."""
+    pack = PackedTensors(momenta)
+    view = pack.flat
+    if pack.copied or view.numel() != flat.numel() or view.dtype != flat.dtype or view.device != flat.device:
+        return None
+    for grad, momentum in zip(grads, momenta):
+        if (grad.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+                or grad.storage_offset() - flat.storage_offset() != momentum.storage_offset() - view.storage_offset()):
+            return None
+    return pack
 
 
 def _not_qadam(optimizer) -> str:
@@ -105,6 +122,7 @@ class QAdamAlgorithm(GradientAlgorithm):
         # post-hook empties it): a second fold before the step would fold a momentum twice
         self._folded = set()
         self._step_hook = None
+        self._momentum_packs = {}  # flat.data_ptr() -> (what it was built from, its momenta's pack or None)
         # bytegrad's uint8 average (inside our hierarchy), 0 kept exact: see MinMaxUInt8
         self._compressed = ByteGrad(hierarchical=False)
 
@@ -153,6 +171,7 @@ class QAdamAlgorithm(GradientAlgorithm):
             check_same_on_all_ranks(lines, "QAdam optimizer (warm-up and steps taken)", group=group, timeout=self.timeout)
             self._group_of = {id(p): g for g in groups for p in g["params"]}
             self._groups_seen, self._folded = seen, set()  # (a loaded checkpoint starts afresh)
+            self._momentum_packs = {}
         return self._group_of
 
     def detach(self) -> None:
@@ -204,11 +223,44 @@ class QAdamAlgorithm(GradientAlgorithm):
                     "into the momentum once per step. Accumulate micro-batches under model.no_sync() and "
                     "exchange only on the last one, then call optimizer.step()"
                 )
-        for param, grad in folding:  # grad <- beta1 * m + (1 - beta1) * grad, the momentum this step makes
-            self._folded.add(id(param))
-            grad.lerp_(self.optimizer.state[param]["exp_avg"], groups[id(param)]["betas"][0])
         deciding = [past for past in phases if past is not None]
         self.stages_overlap = bool(deciding) and all(deciding)  # compressed: two stages (see GradientAlgorithm)
+        momentum = self._momentum_for_encoder(flat, folding, members, groups, group) if self.stages_overlap else None
+        for param, grad in folding:  # grad <- beta1 * m + (1 - beta1) * grad, the momentum this step makes
+            self._folded.add(id(param))
+            if momentum is None:
+                grad.lerp_(self.optimizer.state[param]["exp_avg"], groups[id(param)]["betas"][0])
         if self.stages_overlap:
-            return self.stages(flat, group, average=self._compressed.average)
+            return self.stages(flat, group, average=functools.partial(self._compressed.average, momentum=momentum))
         return self.stages(flat, group)
+
+    def _momentum_for_encoder(self, flat, folding, members, groups, group):
+        """``(m, beta1)`` for the encoder to fold the whole bucket while it reads it, or None to
+        fold each gradient in place first.
+
+        The encoder folds where it compiles (a CPU bucket of a fused QAdam, large enough, see
+        :meth:`MinMaxUInt8.folds_momentum`): it saves a pass over the bucket. That needs one
+        ``beta1``, every gradient of the bucket folded, no averaging inside nodes before the
+        encoder, and the momenta laid out exactly as the gradients are (``m``: one view of the
+        fused optimizer's flat ``exp_avg``). It computes the fold as ``m - (m - g) * (1 - beta1)``,
+        which may differ from ``lerp_`` in the last bit; every rank still decodes the same bytes.
+        """
+        if len(folding) != len(members) or self.nodes(group) is not None:
+            return None
+        betas = {groups[id(param)]["betas"][0] for param, _ in folding}
+        folds = getattr(self._compressed.codec, "folds_momentum", None)
+        if len(betas) != 1 or folds is None or not folds(flat):
+            return None
+        momenta = [self.optimizer.state[param]["exp_avg"] for param, _ in folding]
+        key = (flat.data_ptr(), flat.numel(), tuple(m.data_ptr() for m in momenta))
+        cached = self._momentum_packs.get(flat.data_ptr())
+        if cached is None or cached[0] != key:
+            cached = (key, _momenta_laid_out_as(flat, [grad for _, grad in folding], momenta))
+            self._momentum_packs[flat.data_ptr()] = cached
+        pack = cached[1]
+        if pack is None:
+            return None
+        # the padding between momenta: the gradients' is 0, so the fold must read 0 there too (a
+        # flat state buffer's padding may hold anything; the fused step ignores it)
+        pack.zero_gaps()
+        return pack.flat, betas.pop()
