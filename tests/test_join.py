@@ -527,12 +527,12 @@ def _recording_warnings():
     return log, start
 
 
-def w_slow_then_stalled_peer(rank, world):
+def w_slow_then_stalled_peer(rank, world, algorithm="gradient_allreduce", options=None):
     """Rank 1 is slow once (2.5 s: warned about, not aborted), then stops coming (rank 0 raises)."""
     set_stall_warning(WARN)
     model = MLP()
     optimizer = _sgd(model)
-    wrapped, optimizer = bagua_init(model, optimizer, "gradient_allreduce", timeout=TIMEOUT)
+    wrapped, optimizer = bagua_init(model, optimizer, algorithm, timeout=TIMEOUT, **(options or {}))
     log, start = _recording_warnings()
     for step, batch in enumerate(local_batches(3, 4, rank)):
         if rank == 1 and step == 1:
@@ -571,9 +571,21 @@ def _stall_warnings(log, steps):
     return [entry for entry in log if entry["category"] == CollectiveStallWarning.__name__ and entry["step"] in steps]
 
 
-def test_slow_peer_is_warned_about_but_not_aborted_and_a_stalled_one_raises_at_the_timeout():
+# What each algorithm waits on: a collective (allreduce), a send and receive with one peer, and a ring of
+# sends and receives (3 ranks). gloo closes every connection when a wait on a send or receive times out,
+# so the watchdog's short waits must not touch those: a peer 2.5 s late once failed the whole job.
+SLOW_PEER_CASES = {
+    "allreduce": ("gradient_allreduce", {}, WORLD, "gradient_allreduce gradient bucket"),
+    "exchange": ("decentralized", {"peer_selection_mode": "shift_one"}, WORLD, "weight averaging"),
+    "ring-exchange": ("low_precision_decentralized", {}, 3, "low-precision ring averaging"),
+}
+
+
+@pytest.mark.parametrize("case", list(SLOW_PEER_CASES))
+def test_slow_peer_is_warned_about_but_not_aborted_and_a_stalled_one_raises_at_the_timeout(case):
+    algorithm, options, world, what = SLOW_PEER_CASES[case]
     begin = time.monotonic()
-    results = run_ranks(w_slow_then_stalled_peer, WORLD, timeout=90, pg_timeout=30)
+    results = run_ranks(w_slow_then_stalled_peer, world, args=(algorithm, options), timeout=90, pg_timeout=30)
     took = time.monotonic() - begin
     survivor = results[0].value
     assert survivor is not None, results[0].describe()
@@ -584,8 +596,8 @@ def test_slow_peer_is_warned_about_but_not_aborted_and_a_stalled_one_raises_at_t
     assert [entry["step"] for entry in warned] == [1, 2], survivor["log"]
     for entry in warned:
         assert WARN * 0.8 <= entry["at"] < WARN + 1.5, entry
-        assert "gradient_allreduce gradient bucket" in entry["message"], entry
-        assert "rank(s) [1] of [0, 1] have not arrived" in entry["message"], entry
+        assert what in entry["message"], entry
+        assert f"rank(s) [1] of {list(range(world))} have not arrived" in entry["message"], entry
         assert "CommunicationError" in entry["message"] and f"{TIMEOUT:g}s" in entry["message"], entry
     assert TIMEOUT * 0.9 <= survivor["elapsed"] < TIMEOUT + 3, survivor
     assert "did not complete within 4s" in survivor["error"], survivor

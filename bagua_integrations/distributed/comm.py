@@ -17,6 +17,7 @@ import atexit
 import datetime
 import gc
 import os
+import threading
 import time
 import warnings
 from collections import Counter
@@ -232,7 +233,7 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group=None):
     """Send ``send`` to global rank ``peer`` and receive its tensor into ``recv``."""
     collective_log.record("exchange", send)
     ops = [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
-    return _launched(_AllOf(dist.batch_isend_irecv(ops)), group, send)
+    return _launched(_Transfers(dist.batch_isend_irecv(ops)), group, send)
 
 
 def ring_exchange(send: torch.Tensor, from_left: torch.Tensor, from_right: torch.Tensor, left: int, right: int,
@@ -241,21 +242,68 @@ def ring_exchange(send: torch.Tensor, from_left: torch.Tensor, from_right: torch
     collective_log.record("ring_exchange", send)
     ops = [dist.P2POp(dist.isend, send, left, group), dist.P2POp(dist.isend, send, right, group),
            dist.P2POp(dist.irecv, from_left, left, group), dist.P2POp(dist.irecv, from_right, right, group)]
-    return _launched(_AllOf(dist.batch_isend_irecv(ops)), group, send)
+    return _launched(_Transfers(dist.batch_isend_irecv(ops)), group, send)
 
 
-class _AllOf:
-    """Several work handles waited on as one."""
+class _Transfers:
+    """Point-to-point sends and receives, waited on as one.
+
+    Why :meth:`poll` waits in a thread: on gloo, a wait on a send or receive cannot give up and
+    be tried again. When a wait with a timeout expires, gloo closes every connection of the
+    process group (this rank fails with "Application timeout caused pair closure", its peers
+    with "Connection closed by peer"), and ``is_completed()`` stays False until a wait has
+    returned. The stall watchdog's short waits (:func:`_watched_wait`) would so kill a job
+    whose neighbour is a second late, e.g. compiling its first step. :meth:`poll` hands the
+    transfers to a thread that waits on them once, up to the real timeout, and watches it.
+    """
 
     def __init__(self, works):
         self.works = works
+        self._waiter: Optional[Tuple[threading.Event, list]] = None  # (done, [its error]) once poll() started it
 
-    def wait(self, timeout=None):
+    def _wait_each(self, timeout) -> None:
         for work in self.works:
             work.wait() if timeout is None else work.wait(timeout)
+
+    def wait(self, timeout=None):
+        if self._waiter is None:  # one wait in full: when it expires, the transfers have failed
+            self._wait_each(timeout)
+            return True
+        done, failure = self._waiter
+        if not done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError(f"timed out after {timeout.total_seconds():g}s")
+        if failure:
+            raise failure[0]
+        return True
+
+    def poll(self, seconds: float, timeout=None) -> bool:
+        """True once every transfer completed, False if still running after ``seconds``; a failure raises.
+
+        The first call starts the thread that waits, which gives up at ``timeout`` (a timedelta;
+        None: the process group's timeout)."""
+        if self._waiter is None:
+            done, failure = threading.Event(), []
+
+            def wait_all():
+                try:
+                    self._wait_each(timeout)
+                except BaseException as error:  # noqa: BLE001 - raised again by poll() / wait()
+                    failure.append(error)
+                finally:
+                    done.set()
+
+            self._waiter = (done, failure)
+            threading.Thread(target=wait_all, name="bagua-transfers-wait", daemon=True).start()
+        done, failure = self._waiter
+        if not done.wait(max(seconds, 0.0)):
+            return False
+        if failure:
+            raise failure[0]
         return True
 
     def is_completed(self) -> bool:
+        if self._waiter is not None:
+            return self._waiter[0].is_set()
         return all(work.is_completed() for work in self.works)
 
 
@@ -342,8 +390,12 @@ def wait(work, timeout: Timeout, what: str, site: Optional[Tuple[_GroupInfo, int
         raise _communication_error(what, error, delta) from error
 
 
-def _wait_for(work, seconds: float) -> bool:
-    """Wait up to ``seconds``; True once done, False if still running; a failure raises."""
+def _wait_for(work, seconds: float, timeout=None) -> bool:
+    """Wait up to ``seconds``; True once done, False if still running; a failure raises.
+
+    ``timeout``: when the whole wait gives up (for point-to-point transfers, see :class:`_Transfers`)."""
+    if isinstance(work, _Transfers):
+        return work.poll(seconds, timeout)
     try:
         work.wait(datetime.timedelta(seconds=max(seconds, 0.001)))
         return True
@@ -357,11 +409,11 @@ def _wait_for(work, seconds: float) -> bool:
 def _watched_wait(work, delta, what: str, site, warn_after: float) -> None:
     start = time.monotonic()
     mark = min(ARRIVAL_MARK_SECONDS, warn_after / 2)
-    if _wait_for(work, mark):
+    if _wait_for(work, mark, delta):
         return
     info, seq = site
     store = _mark_arrival(info, seq)
-    if _wait_for(work, warn_after - (time.monotonic() - start)):
+    if _wait_for(work, warn_after - (time.monotonic() - start), delta):
         return
     waited = time.monotonic() - start
     warnings.warn(CollectiveStallWarning(_stall_message(what, info, seq, store, waited, delta)), stacklevel=4)
