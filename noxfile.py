@@ -26,10 +26,13 @@ import nox
 TORCH_VERSIONS = ["2.5.1", "2.6.0", "2.10.0", "2.11.0", "2.13.0", "2.14.1"]
 PINNED = "2.13.0"  # scripts/install.sh: the version the full suite runs on
 GPU_MACHINES = "2.11.0"  # the torch of the lent GPU machines
-# CI runs these besides the full suite: the oldest, the newest, and the GPU machines' torch (Dynamo
-# 2.11 could not trace a step that 2.13 and 2.14 compiled, which switched compiled steps off on every
-# GPU run until a lent H200 showed it)
-CI_VERSIONS = (TORCH_VERSIONS[0], GPU_MACHINES, TORCH_VERSIONS[-1])
+# CI runs these besides the full suite: the oldest and the GPU machines' torch (Dynamo 2.11 could not
+# trace a step that 2.13 and 2.14 compiled, which switched compiled steps off on every GPU run until a
+# lent H200 showed it). The newest (2.14.1) is left to `nox -s core` before a release: on the slower
+# 2-core CI machines CI took about 125 minutes with it (2026-11-30, an AVX2-only AMD EPYC VM: full suite
+# 43 min, 2.5.1 12 min, 2.11.0 35 min, 2.14.1 about as long again), over the 90-minute limit; the
+# pinned 2.13 next to it runs everything.
+CI_VERSIONS = (TORCH_VERSIONS[0], GPU_MACHINES)
 
 # The suites that need only torch (and pytorch-optimizer for the third-party sweep).
 CORE_TESTS = [
@@ -78,7 +81,7 @@ def core(session, torch):
         session.install(*pip_args, f"torch=={torch}")
         session.install(*pip_args, "-e", ".[test]")
         session.run("python", "-c", "import torch; print('torch', torch.__version__)")
-        session.run("python", "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *CORE_TESTS,
+        session.run("python", "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "--durations=30", *CORE_TESTS,
                     *session.posargs, env={"BAGUA_EXPECT_TORCH": torch})
     finally:
         if in_ci:
