@@ -58,6 +58,15 @@ CORE_TESTS = [
     "tests/test_ddp_comm_hook.py",
 ]
 
+# CPU communication over gloo. In CI the GPU machines' torch skips them (about 5 of its 35 minutes on a slow
+# CI machine): those machines talk NCCL, and the oldest and the pinned torch run them in CI.
+GLOO_TESTS = [
+    "tests/test_distributed_api.py",
+    "tests/test_join.py",
+    "tests/test_async_model_average.py",
+    "tests/test_ddp_comm_hook.py",
+]
+
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["core"]
@@ -76,12 +85,13 @@ def core(session, torch):
     shared (a full disk failed a run with ``No space left on device``).
     """
     in_ci = bool(os.environ.get("CI"))
+    tests = [t for t in CORE_TESTS if not (in_ci and torch == GPU_MACHINES and t in GLOO_TESTS)]
     pip_args = ["--no-cache-dir"] if in_ci else []
     try:
         session.install(*pip_args, f"torch=={torch}")
         session.install(*pip_args, "-e", ".[test]")
         session.run("python", "-c", "import torch; print('torch', torch.__version__)")
-        session.run("python", "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "--durations=30", *CORE_TESTS,
+        session.run("python", "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "--durations=30", *tests,
                     *session.posargs, env={"BAGUA_EXPECT_TORCH": torch})
     finally:
         if in_ci:
