@@ -269,15 +269,13 @@ class _Transfers:
         if self._waiter is None:  # one wait in full: when it expires, the transfers have failed
             self._wait_each(timeout)
             return True
-        done, failure = self._waiter
-        if not done.wait(None if timeout is None else timeout.total_seconds()):
+        if not self.poll(None if timeout is None else timeout.total_seconds()):
             raise RuntimeError(f"timed out after {timeout.total_seconds():g}s")
-        if failure:
-            raise failure[0]
         return True
 
-    def poll(self, seconds: float, timeout=None) -> bool:
-        """True once every transfer completed, False if still running after ``seconds``; a failure raises.
+    def poll(self, seconds: Optional[float], timeout=None) -> bool:
+        """True once every transfer completed, False if still running after ``seconds`` (None: until
+        then); a failure raises.
 
         The first call starts the thread that waits, which gives up at ``timeout`` (a timedelta;
         None: the process group's timeout)."""
@@ -295,16 +293,11 @@ class _Transfers:
             self._waiter = (done, failure)
             threading.Thread(target=wait_all, name="bagua-transfers-wait", daemon=True).start()
         done, failure = self._waiter
-        if not done.wait(max(seconds, 0.0)):
+        if not done.wait(None if seconds is None else max(seconds, 0.0)):
             return False
         if failure:
             raise failure[0]
         return True
-
-    def is_completed(self) -> bool:
-        if self._waiter is not None:
-            return self._waiter[0].is_set()
-        return all(work.is_completed() for work in self.works)
 
 
 # ---------------------------------------------------------------------- waiting with a deadline
