@@ -291,6 +291,31 @@ def test_compiled_bert_adam_warm_up_under_an_outside_schedule_matches_unfused(ma
     assert_same_params(a, b, rtol=2e-5, atol=atol)
 
 
+@pytest.mark.parametrize("zero_exact", [True, False], ids=["zero-exact", "min-max"])
+def test_compiled_codec_gives_the_eager_codecs_bytes_and_values(zero_exact):
+    """bytegrad's codec compiled for the device (Triton on a GPU) against the eager codec: the same
+    bytes from the encoder and from the average re-encoded (its headers are computed outside the
+    kernel, from the blocks' min and max, so they must match the kernel's own scale bit for bit), and
+    the same values decoded (eagerly where the compiler could fuse a multiply-add)."""
+    from bagua_integrations.distributed.algorithms.bytegrad import BLOCK, MinMaxUInt8
+
+    if (reason := _compile.compile_unavailable_reason(device_type=DEVICE)) is not None:
+        pytest.skip(reason)
+    gen = torch.Generator().manual_seed(0)
+    flat = (torch.randn((1 << 20) + 3 * BLOCK + 5, generator=gen) * torch.rand(1, generator=gen)).to(DEVICE)
+    flat[:BLOCK] = 0
+    eager, compiled = (MinMaxUInt8(zero_exact=zero_exact, block=BLOCK, compile=c) for c in (False, True))
+    chunk = eager.padded_length(-(-flat.numel() // 2))
+    sent = eager.encode_chunks(flat, 2)
+    assert torch.equal(compiled.encode_chunks(flat, 2), sent)
+    averaged = eager.average_chunks(sent, chunk)
+    assert torch.equal(compiled.average_chunks(sent, chunk), averaged)
+    expected, got = torch.empty_like(flat), torch.empty_like(flat)
+    eager.decode_into(torch.cat([averaged] * 2), expected, chunk)
+    compiled.decode_into(torch.cat([averaged] * 2), got, chunk)
+    assert torch.equal(got, expected)
+
+
 # --------------------------------------------------------------------------- d. distributed on CUDA tensors
 WORLD = 2
 STEPS = 4

@@ -210,12 +210,13 @@ def test_bagua_init_settings_reach_the_algorithm():
 
 
 # ---------------------------------------------------------------------- building blocks
-def test_min_max_uint8_error_bound():
+@pytest.mark.parametrize("width", [1000, 999], ids=["codes-in-words", "codes-in-order"])
+def test_min_max_uint8_error_bound(width):
     codec = MinMaxUInt8()
-    rows = torch.randn(5, 1000) * torch.arange(1, 6).unsqueeze(1)
+    rows = torch.randn(5, width) * torch.arange(1, 6).unsqueeze(1)
     rows[4] = 3.25  # a constant row is exact
     packed = codec.encode(rows)
-    assert packed.dtype == torch.uint8 and packed.shape == (5, 1008)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, width + 8)
     decoded = codec.decode(packed)
     bound = (rows.amax(1) - rows.amin(1)) / 510 + 1e-6
     errors = (decoded - rows).abs().amax(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -19,60 +20,155 @@ __all__ = ["ByteGrad", "MinMaxUInt8", "BLOCK"]
 BLOCK = 1024  # elements that share one min/max pair (8 bytes of header: 0.8 % more on the wire)
 
 
-def _encode_parts(rows: torch.Tensor, zero_exact: bool, levels: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(r, n) float32 -> each row's header as two float32 ``(r, 2)``, a byte per element ``(r, n)``,
-    and each row's scale ``(r, 1)``: returned from a compiled encoder, it is kept in a buffer, so the
-    quantizing loop reads it instead of dividing again for every 16 codes (7 % faster on CPU)."""
-    lo = rows.amin(dim=1, keepdim=True)
-    hi = rows.amax(dim=1, keepdim=True)
+# The layout of an encoded row of n elements (n a multiple of 4): an 8-byte header (two float32), then
+# n / 4 32-bit words, word i holding the codes of elements i, i + n/4, i + n/2 and i + 3n/4 in its
+# bytes 0-3 (rows of other lengths, only from encode() without blocks: a byte per element, in order).
+# So a row's elements, seen as (4, n / 4), are its codes' quarters: kernels read and write whole
+# words, and read them as float32 bit patterns. Inductor's CPU kernels load 8-bit and 32-bit
+# integers through a buffer on the stack where the CPU lacks AVX-512 (float32 loads are direct),
+# which made decoding 2.4x slower there; moving a quarter's codes to or from its words is a shift
+# and a mask.
+WORD_BYTES = 4
+_QUARTER_SHIFTS = (0, 8, 16, 24)
+# eager code moves a word's bytes, which are its quarters' codes in order where words are little-endian
+_EAGER_BYTE_SHUFFLE = sys.byteorder == "little"
+
+
+def _in_words(n: int) -> bool:
+    """Whether rows of ``n`` elements are encoded in 32-bit words (see above)."""
+    return n % WORD_BYTES == 0
+
+
+def _quarters(t: torch.Tensor) -> torch.Tensor:
+    """(..., n) -> (..., 4, n / 4): a row's elements as the quarters its code words hold."""
+    return t.view(*t.shape[:-1], WORD_BYTES, t.shape[-1] // WORD_BYTES)
+
+
+def _range_of(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (min, max) over its elements (all but the first dimension), kept as dimensions."""
+    within = tuple(range(1, rows.dim()))
+    return rows.amin(dim=within, keepdim=True), rows.amax(dim=within, keepdim=True)
+
+
+def _scaling(lo: torch.Tensor, hi: torch.Tensor, zero_exact: bool, levels: int):
+    """From rows' (min, max): their two header values, the scale that turns a value into levels,
+    and the offset the codes are computed with (the code of 0, or the row's min)."""
     if zero_exact:
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     span = hi - lo
     scale = torch.where(span > 0, levels / span, torch.zeros_like(span))
     if zero_exact:
         zero = (-lo * scale).round()
+        return span / levels, zero, scale, zero
+    return lo, hi, scale, lo
+
+
+def _codes(rows: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, zero_exact: bool, levels: int):
+    """Rows -> their int32 codes in ``[0, levels]`` (see :func:`_scaling`)."""
+    if zero_exact:
         # never below 0 (rounding is odd, so round(x * scale) >= round(lo * scale) == -zero); above
         # ``levels`` where both halves of the range round up: clamped as whole numbers (cheaper than
         # a float clamp, whose NaN handling costs three instructions a vector)
-        codes = (rows * scale).round().add(zero).to(torch.int32).clamp(max=levels)
-        header = torch.cat([span / levels, zero], dim=1)
-    else:
-        # within [0, levels] already: rows - lo lies in [0, span], and span * scale is at most
-        # levels * (1 + 3 ulp), which rounds to levels (a clamp here cost 40% of the encode's time)
-        codes = ((rows - lo) * scale).round()
-        header = torch.cat([lo, hi], dim=1)
-    return header, codes.to(torch.uint8), scale
+        return (rows * scale).round().add(offset).to(torch.int32).clamp(max=levels)
+    # within [0, levels] already: rows - lo lies in [0, span], and span * scale is at most
+    # levels * (1 + 3 ulp), which rounds to levels (a clamp here cost 40% of the encode's time)
+    return ((rows - offset) * scale).round().to(torch.int32)
+
+
+def _header(lo: torch.Tensor, hi: torch.Tensor, zero_exact: bool, levels: int) -> torch.Tensor:
+    """Rows' headers ``(r, 2)`` float32 from their (min, max)."""
+    first, second, _, _ = _scaling(lo, hi, zero_exact, levels)
+    return torch.cat([first, second], dim=1).view(-1, 2)
+
+
+def _encode_parts(rows: torch.Tensor, zero_exact: bool, levels: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(r, ...) float32 rows -> their headers ``(r, 2)`` and int32 codes (shaped as ``rows``)."""
+    lo, hi = _range_of(rows)
+    first, second, scale, offset = _scaling(lo, hi, zero_exact, levels)
+    return torch.cat([first, second], dim=1).view(-1, 2), _codes(rows, scale, offset, zero_exact, levels)
+
+
+def _pack_words(quarters: torch.Tensor) -> torch.Tensor:
+    """(..., 4, q) int32 codes (each within a byte) -> their (..., q) int32 words."""
+    if _EAGER_BYTE_SHUFFLE and not torch.compiler.is_compiling():
+        # eagerly, one strided copy of the bytes (the shifts below are seven passes over the words)
+        return quarters.to(torch.uint8).transpose(-1, -2).contiguous().view(torch.int32).squeeze(-1)
+    words = quarters[..., 0, :]
+    for k in range(1, WORD_BYTES):
+        words = words | (quarters[..., k, :] << _QUARTER_SHIFTS[k])
+    return words
+
+
+def _unpack_words(words: torch.Tensor) -> torch.Tensor:
+    """(..., q) words, as float32 bit patterns -> the (..., 4, q) codes they hold, as float32."""
+    if _EAGER_BYTE_SHUFFLE and not torch.compiler.is_compiling():
+        return words.view(torch.uint8).unflatten(-1, (-1, WORD_BYTES)).transpose(-1, -2).to(torch.float32)
+    bits = words.view(torch.int32).unsqueeze(-2)  # (..., 1, q)
+    shifts = torch.tensor(_QUARTER_SHIFTS, dtype=torch.int32, device=words.device).view(WORD_BYTES, 1)
+    return ((bits >> shifts) & 255).to(torch.float32)
+
+
+def _values(codes: torch.Tensor, first: torch.Tensor, second: torch.Tensor, zero_exact: bool, levels: int):
+    """Codes (float32) -> values, given a row's two header floats (level spacing and the code of 0,
+    or min and max), each broadcast over the row."""
+    if zero_exact:
+        return (codes - second) * first  # no multiply-add: the same bits compiled or not
+    return codes * ((second - first) / levels) + first
+
+
+def _decode_blocks(rows: torch.Tensor, zero_exact: bool, levels: int) -> torch.Tensor:
+    """(..., 2 + q) float32 views of encoded rows (header, then code words) -> their values (..., 4, q)."""
+    first, second = rows[..., 0:1].unsqueeze(-1), rows[..., 1:2].unsqueeze(-1)  # (..., 1, 1)
+    return _values(_unpack_words(rows[..., 2:]), first, second, zero_exact, levels)
+
+
+def _as_words(packed: torch.Tensor) -> torch.Tensor:
+    """(..., 4m) uint8 -> the same bytes as (..., m) float32 (how kernels read code words), copied
+    only if they do not start on whole words."""
+    if packed.stride(-1) != 1 or packed.storage_offset() % WORD_BYTES or any(
+            s % WORD_BYTES for s in packed.stride()[:-1]):
+        packed = packed.contiguous()
+    return packed.view(torch.float32)
 
 
 def _encode_rows(rows: torch.Tensor, zero_exact: bool, levels: int) -> torch.Tensor:
-    """(r, n) float32 -> (r, 8 + n) uint8: each row's 8-byte header, then a byte per element."""
-    header, codes, _ = _encode_parts(rows, zero_exact, levels)
-    return torch.cat([header.view(torch.uint8), codes], dim=1)
+    """(r, n) float32 -> (r, 8 + n) uint8: each row's 8-byte header, then its codes (see above)."""
+    if not _in_words(rows.shape[1]):
+        header, codes = _encode_parts(rows, zero_exact, levels)
+        return torch.cat([header.view(torch.uint8), codes.to(torch.uint8)], dim=1)
+    header, codes = _encode_parts(_quarters(rows), zero_exact, levels)
+    return torch.cat([header.view(torch.uint8), _pack_words(codes).view(torch.uint8)], dim=1)
 
 
 def _decode_rows(packed: torch.Tensor, zero_exact: bool, levels: int) -> torch.Tensor:
     """The inverse of :func:`_encode_rows`: (..., 8 + n) uint8 -> (..., n) float32."""
+    if _in_words(packed.shape[-1] - 8):
+        return _decode_blocks(_as_words(packed), zero_exact, levels).flatten(-2)
     header = packed[..., :8].contiguous().view(torch.float32)
-    codes = packed[..., 8:].to(torch.float32)
-    if zero_exact:
-        return (codes - header[..., 1:2]) * header[..., :1]  # no multiply-add: the same bits compiled or not
-    lo, hi = header[..., :1], header[..., 1:2]
-    return codes * ((hi - lo) / levels) + lo
+    return _values(packed[..., 8:].to(torch.float32), header[..., 0:1], header[..., 1:2], zero_exact, levels)
 
 
 # The codec's work on a whole bucket, each one pass over the data when compiled (CompiledFunction):
-# pure functions of tensors and Python constants, so the eager and the compiled forms give the same bits.
+# pure functions of tensors and Python constants, so the eager and the compiled forms give the same
+# bits. They work on whole blocks: values as (blocks, 4, block / 4) (a block's quarters), encoded
+# rows as float32 (read) or int32 (written) views of their bytes, each dimension an index of its own
+# (a graph made dynamic by a second bucket size still runs vectorized loops; with the blocks of a
+# flat run indexed through symbolic divisions it ran scalar, 10-47x slower).
 
-# Encoders write the codes into the packed rows (``codes_out``: the rows past their headers) and
-# return the headers, which the caller writes (8 bytes a block): both written in one graph, Inductor
-# fused them into one masked loop over whole rows, 6x slower than the codes alone.
+# Encoders write the code words into the packed rows (``words_out``: the rows past their headers) and
+# return the blocks' (min, max), from which the caller makes and writes the headers (:func:`_header`,
+# the same operations as the kernel's, so the same bits; 8 bytes a block). With no other per-block
+# output, Inductor's CPU kernel runs each block's min/max loop and then its quantizing loop, which
+# reads the block again from cache: 1.6x faster than two passes over the bucket (when the headers
+# were outputs too), 6x faster than headers and codes written in one graph (one masked loop).
 
-def _encode_blocks_into(values: torch.Tensor, codes_out: torch.Tensor, zero_exact: bool, levels: int):
-    """``codes_out`` (blocks, block) <- the codes of ``values`` (blocks, block); returns their headers
-    (and their scales, see :func:`_encode_parts`)."""
-    header, codes, scale = _encode_parts(values, zero_exact, levels)
-    codes_out.copy_(codes)
-    return header, scale
+def _encode_blocks_into(values: torch.Tensor, words_out: torch.Tensor, zero_exact: bool, levels: int):
+    """``words_out`` (blocks, q) int32 <- the code words of ``values`` (blocks, 4, q); returns the
+    blocks' (min, max)."""
+    lo, hi = _range_of(values)
+    _, _, scale, offset = _scaling(lo, hi, zero_exact, levels)
+    words_out.copy_(_pack_words(_codes(values, scale, offset, zero_exact, levels)))
+    return lo, hi
 
 
 def _fold_momentum(grads: torch.Tensor, momentum: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
@@ -82,30 +178,24 @@ def _fold_momentum(grads: torch.Tensor, momentum: torch.Tensor, rate: torch.Tens
     return momentum - (momentum - grads) * rate
 
 
-def _fold_encode_blocks_into(values: torch.Tensor, momentum: torch.Tensor, codes_out: torch.Tensor,
+def _fold_encode_blocks_into(values: torch.Tensor, momentum: torch.Tensor, words_out: torch.Tensor,
                              rate: torch.Tensor, zero_exact: bool, levels: int):
     """:func:`_encode_blocks_into` of the momentum that ``values`` (gradients) make with
     ``momentum`` (:func:`_fold_momentum`), computed as it is read: the folded momentum is never
     stored (one pass over the data fewer than folding first, then encoding)."""
-    return _encode_blocks_into(_fold_momentum(values, momentum, rate), codes_out, zero_exact, levels)
+    return _encode_blocks_into(_fold_momentum(values, momentum, rate), words_out, zero_exact, levels)
 
 
-def _average_chunks(received: torch.Tensor, codes_out: torch.Tensor, block: int, zero_exact: bool, levels: int):
-    """The mean of the decoded rows of ``received`` (one per rank), encoded again: the codes into
-    ``codes_out`` (blocks, block), the headers (and scales) returned."""
-    ranks = received.shape[0]
-    # (ranks, blocks, 8 + block): each element's block and rank are indices of their own, so a graph
-    # made dynamic by a second bucket size still runs vectorized loops (indexed as one flat run with
-    # symbolic offsets, it ran 10-47x slower than the static graph)
-    decoded = _decode_rows(received.view(ranks, -1, 8 + block), zero_exact, levels)
-    mean = decoded.sum(dim=0).div(ranks)
-    return _encode_blocks_into(mean, codes_out, zero_exact, levels)
+def _average_chunks(received: torch.Tensor, words_out: torch.Tensor, zero_exact: bool, levels: int):
+    """The mean of the decoded rows of ``received`` (ranks, blocks, 2 + q), encoded again: the code
+    words into ``words_out`` (blocks, q), the blocks' (min, max) returned."""
+    mean = _decode_blocks(received, zero_exact, levels).sum(dim=0).div(received.shape[0])
+    return _encode_blocks_into(mean, words_out, zero_exact, levels)
 
 
-def _decode_into(packed: torch.Tensor, out: torch.Tensor, block: int, zero_exact: bool, levels: int):
-    """``out`` <- the first ``out.numel()`` decoded elements of ``packed``."""
-    decoded = _decode_rows(packed.reshape(-1, 8 + block), zero_exact, levels).view(-1)
-    out.copy_(decoded[: out.numel()].view(out.shape))
+def _decode_into(out: torch.Tensor, packed: torch.Tensor, zero_exact: bool, levels: int):
+    """``out`` (blocks, 4, q) <- the values of ``packed`` (blocks, 2 + q)."""
+    out.copy_(_decode_blocks(packed, zero_exact, levels))
 
 
 _KERNELS = {}
@@ -117,6 +207,10 @@ _COMPILE_SETTINGS = {"auto": "auto", "1": True, "0": False}
 # loops (3 a rank: its codes and its two header values) rather than store it: 1.5x faster on 2
 # ranks (one read of uint8 codes instead of a write and two reads of fp32), bit for bit the same.
 _MEAN_RECOMPUTE_READS = 24
+# Inputs an encoder may read to compute a block's codes in its packing loop (each quarter's codes read
+# once there) rather than store them as int32 and read them back: the momentum-folding encoder reads 5
+# (gradients, momentum, rate, min, max), past Inductor's default of 4; it ran 1.9x slower storing them.
+_CODES_RECOMPUTE_READS = 8
 
 
 def _kernel(fn, compile, zero_exact):
@@ -125,13 +219,21 @@ def _kernel(fn, compile, zero_exact):
     key = (fn, compile, zero_exact)
     if key not in _KERNELS:
         min_elements = {"auto": AUTO_MIN_ELEMENTS, True: 0, False: None}[compile]
-        reads = _MEAN_RECOMPUTE_READS if fn is _average_chunks else 0
+        if fn is _average_chunks and min_elements:  # sized by its first tensor: the ranks' code words,
+            min_elements //= WORD_BYTES  # a word per 4 elements of the bucket (the others: its values)
+        reads = {_average_chunks: _MEAN_RECOMPUTE_READS, _encode_blocks_into: _CODES_RECOMPUTE_READS,
+                 _fold_encode_blocks_into: _CODES_RECOMPUTE_READS}.get(fn, 0)
         _KERNELS[key] = CompiledFunction(fn, min_elements=min_elements, recompute_reads=reads)
     return _KERNELS[key]
 
 
 class MinMaxUInt8:
     """Each row becomes its min and max (two fp32, 8 bytes) and one byte per element.
+
+    The bytes of a row of ``n`` elements, ``n`` a multiple of 4 (always so with ``block``, and in
+    the bucket-level operations): the header, then ``n / 4`` 32-bit words, word ``i`` holding in its
+    bytes 0 to 3 (little-endian) the codes of elements ``i``, ``i + n/4``, ``i + n/2`` and
+    ``i + 3n/4``, so that compiled kernels move whole words (other rows: the codes in order).
 
     An element is rounded to the nearest of 256 evenly spaced levels between the row's min
     and max, so the error is at most ``(max - min) / 510`` (plus float rounding). With
@@ -156,8 +258,9 @@ class MinMaxUInt8:
     levels = 255
 
     def __init__(self, zero_exact: bool = False, block: Optional[int] = None, compile=None):
-        if block is not None and block < 1:
-            raise ValueError(f"block must be a positive number of elements or None, got {block!r}")
+        if block is not None and (block < 1 or block % WORD_BYTES):
+            raise ValueError(f"block must be a positive multiple of {WORD_BYTES} elements (codes travel "
+                             f"{WORD_BYTES} to a 32-bit word) or None, got {block!r}")
         if compile is None:
             compile = _COMPILE_SETTINGS.get(os.environ.get(COMPILE_ENV, "auto").strip().lower())
             if compile is None:
@@ -169,8 +272,10 @@ class MinMaxUInt8:
         self.compile = compile
 
     def padded_length(self, n: int) -> int:
-        """The row length ``encode`` takes: ``n`` rounded up to whole blocks."""
-        return n if self.block is None else -(-n // self.block) * self.block
+        """The row length the bucket-level operations use: ``n`` rounded up to whole blocks
+        (without ``block``: to a multiple of 4, whole 32-bit words of codes)."""
+        unit = WORD_BYTES if self.block is None else self.block
+        return -(-n // unit) * unit
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (r, n) float32 -> (r, 8 + n) uint8; with ``block``, each run of ``block``
@@ -215,15 +320,16 @@ class MinMaxUInt8:
             rate = torch.tensor(1.0 - momentum[1], dtype=torch.float32, device=flat.device)
         full = values.numel() // block  # whole blocks straight from the bucket (no padded copy of it)
         if full:
-            codes_out = packed[:full, self.header_bytes:]
+            words_out = packed.view(torch.int32)[:full, self.header_bytes // WORD_BYTES:]
+            quarters = (full, WORD_BYTES, block // WORD_BYTES)
             if momentum is None:
-                header, _ = _kernel(_encode_blocks_into, self.compile, self.zero_exact)(
-                    values[: full * block].view(full, block), codes_out, self.zero_exact, self.levels)
+                lo, hi = _kernel(_encode_blocks_into, self.compile, self.zero_exact)(
+                    values[: full * block].view(quarters), words_out, self.zero_exact, self.levels)
             else:
-                header, _ = _kernel(_fold_encode_blocks_into, self.compile, self.zero_exact)(
-                    values[: full * block].view(full, block), folded[: full * block].view(full, block), codes_out,
+                lo, hi = _kernel(_fold_encode_blocks_into, self.compile, self.zero_exact)(
+                    values[: full * block].view(quarters), folded[: full * block].view(quarters), words_out,
                     rate, self.zero_exact, self.levels)
-            packed[:full, : self.header_bytes].copy_(header.view(torch.uint8))
+            packed[:full, : self.header_bytes].copy_(_header(lo, hi, self.zero_exact, self.levels).view(torch.uint8))
         if full < packed.shape[0]:  # the last partial block and the padding: a few blocks, eagerly
             rest = values[full * block:]
             if momentum is not None:
@@ -249,15 +355,28 @@ class MinMaxUInt8:
         block = self._block_for(chunk)
         out = torch.empty(1, received.shape[1], dtype=torch.uint8, device=received.device)
         rows = out.view(-1, self.header_bytes + block)
-        header, _ = _kernel(_average_chunks, self.compile, self.zero_exact)(
-            received, rows[:, self.header_bytes:], block, self.zero_exact, self.levels)
-        rows[:, : self.header_bytes].copy_(header.view(torch.uint8))
+        words = (self.header_bytes + block) // WORD_BYTES
+        lo, hi = _kernel(_average_chunks, self.compile, self.zero_exact)(
+            _as_words(received).view(received.shape[0], -1, words), rows.view(torch.int32)[:, self.header_bytes // WORD_BYTES:],
+            self.zero_exact, self.levels)
+        rows[:, : self.header_bytes].copy_(_header(lo, hi, self.zero_exact, self.levels).view(torch.uint8))
         return out
 
     def decode_into(self, packed: torch.Tensor, out: torch.Tensor, chunk: int) -> torch.Tensor:
         """Decode rows of ``chunk`` elements and write the first ``out.numel()`` values into ``out``."""
-        _kernel(_decode_into, self.decode_compile(packed.device), self.zero_exact)(
-            packed, out, self._block_for(chunk), self.zero_exact, self.levels)
+        block = self._block_for(chunk)
+        rows = _as_words(packed).view(-1, (self.header_bytes + block) // WORD_BYTES)
+        n = out.numel()
+        flat = out.view(-1) if out.is_contiguous() else torch.empty(n, dtype=out.dtype, device=out.device)
+        full = n // block
+        if full:
+            _kernel(_decode_into, self.decode_compile(packed.device), self.zero_exact)(
+                flat[: full * block].view(full, WORD_BYTES, block // WORD_BYTES), rows[:full], self.zero_exact,
+                self.levels)
+        if full * block < n:  # the last partial block, eagerly (the same operations: the same bits)
+            flat[full * block:] = _decode_blocks(rows[full], self.zero_exact, self.levels).reshape(-1)[: n - full * block]
+        if not out.is_contiguous():
+            out.copy_(flat.view(out.shape))
         return out
 
     def decode_compile(self, device: torch.device):

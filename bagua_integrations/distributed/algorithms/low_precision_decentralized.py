@@ -30,7 +30,7 @@ import torch
 from .. import comm
 from ..errors import AlgorithmConfigError, CheckpointError
 from .base import ModelAlgorithm
-from .bytegrad import MinMaxUInt8, _decode_rows, _kernel
+from .bytegrad import WORD_BYTES, MinMaxUInt8, _as_words, _decode_blocks, _kernel
 from .registry import register_algorithm
 
 __all__ = ["LowPrecisionDecentralized", "CHUNK"]
@@ -43,15 +43,33 @@ def ring_neighbours(rank: int, size: int):
     return (rank - 1) % size, (rank + 1) % size
 
 
-def _finish_round(flat, own, left_copy, right_copy, mine, from_left, from_right, block: int, levels: int):
+def _finish_round(flat, own, left_copy, right_copy, mine, from_left, from_right, levels: int):
     """Each public copy moves by the difference its owner sent, then the gossip step: one pass
     over the weights and the three copies when compiled; the eager form runs the same operations
-    in the same order (so ranks that compiled and ranks that did not keep equal copies)."""
-    n = flat.numel()
+    in the same order (so ranks that compiled and ranks that did not keep equal copies). Whole
+    blocks: the weights and copies as ``(blocks, 4, CHUNK / 4)``, the encoded rows as float32
+    views of their bytes ``(blocks, 2 + CHUNK / 4)`` (see :class:`MinMaxUInt8`)."""
     for public_copy, packed in ((own, mine), (left_copy, from_left), (right_copy, from_right)):
-        decoded = _decode_rows(packed.view(-1, 8 + block), False, levels).view(-1)[:n]
-        public_copy.add_(decoded.to(public_copy.dtype))
+        public_copy.add_(_decode_blocks(packed, False, levels).to(public_copy.dtype))
     flat.add_(torch.add(left_copy, right_copy).sub_(own, alpha=2).div_(3))
+
+
+def _finish_round_in_blocks(kernel, tensors, encoded, levels: int) -> None:
+    """:func:`_finish_round` over 1-D ``tensors`` (weights, own, left and right copies) of any
+    length: the whole blocks through ``kernel``, the last partial one eagerly, padded with zeros
+    (the same operations on each element: the same bits)."""
+    n, quarter = tensors[0].numel(), CHUNK // WORD_BYTES
+    rows = [_as_words(t).view(-1, 2 + quarter) for t in encoded]
+    full = n // CHUNK
+    if full:
+        kernel(*(t[: full * CHUNK].view(full, WORD_BYTES, quarter) for t in tensors), *(r[:full] for r in rows), levels)
+    if full * CHUNK < n:
+        padded = [torch.zeros(CHUNK, dtype=t.dtype, device=t.device) for t in tensors]
+        for pad, t in zip(padded, tensors):
+            pad[: n - full * CHUNK] = t[full * CHUNK:]
+        _finish_round(*(pad.view(1, WORD_BYTES, quarter) for pad in padded), *(r[full:full + 1] for r in rows), levels)
+        for pad, t in zip(padded, tensors):
+            t[full * CHUNK:] = pad[: n - full * CHUNK]
 
 
 @register_algorithm("low_precision_decentralized")
@@ -135,8 +153,8 @@ class LowPrecisionDecentralized(ModelAlgorithm):
             from_right = torch.empty_like(mine)
             yield comm.ring_exchange(mine, from_left, from_right, ranks[left], ranks[right], group)
         # decodes: the public copies must get the same bits on every rank, compiled or not
-        _kernel(_finish_round, self.codec.decode_compile(flat.device), False)(
-            flat, own, left_copy, right_copy, mine, from_left, from_right, CHUNK, self.codec.levels)
+        _finish_round_in_blocks(_kernel(_finish_round, self.codec.decode_compile(flat.device), False),
+                                (flat, own, left_copy, right_copy), (mine, from_left, from_right), self.codec.levels)
 
     def _pieces(self, flat: torch.Tensor, copies: List[torch.Tensor]):
         """``(piece of flat, the same piece of each public copy)``, cut at block edges."""
