@@ -180,6 +180,7 @@ def worker(config):
     timings = _interleaved(variants, args, rank, peers=PEERS)
     result["ratios"] = timings.pop("ratios")
     result["peer_ratios"] = timings.pop("peer_ratios", {})
+    result["cpu_ms"] = timings.pop("cpu_ms")
     result["ms"] = timings
     log("counting bytes on the wire")
     result["wire_bytes"] = {v.name: _bytes_per_step(v, args, rank, steps=args.wire_steps) for v in variants}
@@ -191,6 +192,7 @@ def worker(config):
         log("timing async against ddp")
         timings, wire = _async_phase(variants[0], late, args, rank)
         result["ms"]["async"], result["ratios"]["async"] = timings["async"], timings["ratios"]["async"]
+        result["cpu_ms"]["async"] = timings["cpu_ms"]["async"]
         result["wire_bytes"]["async"] = wire
     save()
     dist.barrier()
@@ -281,12 +283,16 @@ def report(result) -> str:
     shaping = "no tc (unlimited veth)" if result["tbf"] is None else "tbf " + " ".join(result["tbf"]) + " on both veth ends"
     lines = [f"## {result['rate']}: {shaping}; gloo send measured {result['link_MBps']:.0f} MB/s "
              f"({result['link_MBps'] * MB * 8 / 1e9:.2f} Gbit/s)", "",
-             "| variant | ms/step | vs DDP [quartiles] | MB on the wire/step |", "|---|---:|---:|---:|"]
+             "| variant | ms/step | vs DDP [quartiles] | CPU ms/step | MB on the wire/step |",
+             "|---|---:|---:|---:|---:|"]
     for name, ms in result["ms"].items():
         low, mid, high = result["ratios"][name]
         wire = result["wire_bytes"].get(name)
+        cpu = result.get("cpu_ms", {}).get(name)
         lines.append(f"| {name} | {ms:.1f} | {mid:.3f}x [{low:.2f}-{high:.2f}] | "
-                     f"{'n/a' if wire is None else f'{wire / MB:.2f}'} |")
+                     f"{'n/a' if cpu is None else f'{cpu:.1f}'} | {'n/a' if wire is None else f'{wire / MB:.2f}'} |")
+    lines.append("CPU ms/step: rank 0's process, all threads (gloo's too), median; near ms/step, the step "
+                 "is bound by compute, not by the link")
     for name, (peer, (low, mid, high)) in result.get("peer_ratios", {}).items():
         lines.append(f"{name} vs {peer} (the same optimizer over DDP): {mid:.3f}x [{low:.2f}-{high:.2f}]")
     lines += [f"note: {note}" for note in result["notes"]]

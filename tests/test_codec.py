@@ -93,6 +93,30 @@ def test_the_encoder_folds_momentum_as_the_formula_says_compiled_or_not(chunks):
         compiled.encode_chunks(g, chunks, momentum=(m[:-1], 0.9))
 
 
+@needs_compiler
+@pytest.mark.parametrize("zero_exact", [True, False])
+def test_the_encoder_subtracts_as_it_reads_compiled_or_not(zero_exact):
+    """``encode_chunks(x, minus=b)`` (low_precision_decentralized's ``weights - public copy``) gives
+    the bytes of ``encode_chunks(x - b)``, compiled and eager, on the partial last block too; an
+    encoder that scaled ``b`` by 1.001 fails this."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5 * BLOCK + 300, generator=gen)
+    b = x + torch.randn(x.numel(), generator=gen) * 1e-3  # a public copy close to the weights
+    b[:BLOCK] = x[:BLOCK]  # a block without difference: codes of 0 only
+    eager, compiled = _codecs(zero_exact)
+    kernel = bytegrad._kernel(bytegrad._difference_encode_blocks_into, True, zero_exact)
+    calls = kernel.compiled_calls
+    sent = compiled.encode_chunks(x, 1, minus=b)
+    assert kernel.compiled_calls == calls + 1 and kernel.disabled_reason is None
+    assert torch.equal(sent, eager.encode_chunks(x - b, 1))
+    assert torch.equal(sent, eager.encode_chunks(x, 1, minus=b))
+    assert not torch.equal(sent, eager.encode_chunks(x - b * 1.001, 1))
+    with pytest.raises(ValueError, match="minus= of shape"):
+        compiled.encode_chunks(x, 1, minus=b[:-1])
+    with pytest.raises(ValueError, match="not both"):
+        compiled.encode_chunks(x, 1, momentum=(b, 0.9), minus=b)
+
+
 def test_small_buckets_stay_eager_by_default_and_the_setting_is_checked(monkeypatch):
     assert MinMaxUInt8().compile == "auto"
     monkeypatch.setenv(bytegrad.COMPILE_ENV, "0")

@@ -99,7 +99,10 @@ def _both(rank, world, piece_elements=None):
     reference = _train(rank, world, ours=False)
     from bagua_integrations.distributed.algorithms import low_precision_decentralized as lpd
 
-    kernels = [bytegrad._KERNELS.get((fn, True, False)) for fn in (bytegrad._encode_blocks_into, lpd._finish_round)]
+    # the difference (weights - public copy) made as the encoder reads; on 2 ranks, the one neighbour's
+    # two public copies as one tensor
+    finish = lpd._finish_round_with_one_neighbour if world == 2 else lpd._finish_round
+    kernels = [bytegrad._KERNELS.get((fn, True, False)) for fn in (bytegrad._difference_encode_blocks_into, finish)]
     return ours, reference, all(kernel is not None and kernel.compiled_calls for kernel in kernels), sent
 
 

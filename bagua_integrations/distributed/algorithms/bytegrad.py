@@ -186,6 +186,14 @@ def _fold_encode_blocks_into(values: torch.Tensor, momentum: torch.Tensor, words
     return _encode_blocks_into(_fold_momentum(values, momentum, rate), words_out, zero_exact, levels)
 
 
+def _difference_encode_blocks_into(values: torch.Tensor, base: torch.Tensor, words_out: torch.Tensor,
+                                   zero_exact: bool, levels: int):
+    """:func:`_encode_blocks_into` of ``values - base``, computed as it is read (a subtraction: the
+    same bits in every form): the difference is never stored, one write and one read of the data
+    fewer than subtracting first (``low_precision_decentralized`` sends ``weights - public copy``)."""
+    return _encode_blocks_into(values - base, words_out, zero_exact, levels)
+
+
 def _average_chunks(received: torch.Tensor, words_out: torch.Tensor, zero_exact: bool, levels: int):
     """The mean of the decoded rows of ``received`` (ranks, blocks, 2 + q), encoded again: the code
     words into ``words_out`` (blocks, q), the blocks' (min, max) returned."""
@@ -222,7 +230,8 @@ def _kernel(fn, compile, zero_exact):
         if fn is _average_chunks and min_elements:  # sized by its first tensor: the ranks' code words,
             min_elements //= WORD_BYTES  # a word per 4 elements of the bucket (the others: its values)
         reads = {_average_chunks: _MEAN_RECOMPUTE_READS, _encode_blocks_into: _CODES_RECOMPUTE_READS,
-                 _fold_encode_blocks_into: _CODES_RECOMPUTE_READS}.get(fn, 0)
+                 _fold_encode_blocks_into: _CODES_RECOMPUTE_READS,
+                 _difference_encode_blocks_into: _CODES_RECOMPUTE_READS}.get(fn, 0)
         _KERNELS[key] = CompiledFunction(fn, min_elements=min_elements, recompute_reads=reads)
     return _KERNELS[key]
 
@@ -300,18 +309,28 @@ class MinMaxUInt8:
         return self.block if self.block is not None else chunk
 
     def encode_chunks(self, flat: torch.Tensor, chunks: int,
-                      momentum: Optional[Tuple[torch.Tensor, float]] = None) -> torch.Tensor:
+                      momentum: Optional[Tuple[torch.Tensor, float]] = None,
+                      minus: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The 1-D ``flat`` cut into ``chunks`` equal rows (zero-padded to whole blocks), each
         encoded: ``(chunks, bytes per row)`` uint8, the layout :meth:`encode` gives.
 
         ``momentum=(m, beta1)``: encode the momentum ``beta1 * m + (1 - beta1) * flat`` instead
         (``m`` shaped like ``flat``), computed as ``m - (m - flat) * (1 - beta1)`` while it is
         read (see :meth:`folds_momentum`); ``flat`` is left as it was.
+
+        ``minus=b`` (shaped like ``flat``): encode ``flat - b``, computed while it is read (the same
+        bytes as encoding ``flat - b`` made first).
         """
+        if momentum is not None and minus is not None:
+            raise ValueError("encode_chunks takes momentum= or minus=, not both")
         chunk = self.padded_length(-(-flat.numel() // chunks))
         block = self._block_for(chunk)
         packed = torch.empty(chunks * chunk // block, self.header_bytes + block, dtype=torch.uint8, device=flat.device)
         values = flat.reshape(-1).to(torch.float32)
+        if minus is not None:
+            if minus.shape != flat.shape:
+                raise ValueError(f"minus= of shape {tuple(minus.shape)} for values of shape {tuple(flat.shape)}")
+            base = minus.reshape(-1).to(torch.float32)
         if momentum is not None:
             if momentum[0].shape != flat.shape:
                 raise ValueError(f"momentum of shape {tuple(momentum[0].shape)} for gradients of shape {tuple(flat.shape)}")
@@ -322,7 +341,11 @@ class MinMaxUInt8:
         if full:
             words_out = packed.view(torch.int32)[:full, self.header_bytes // WORD_BYTES:]
             quarters = (full, WORD_BYTES, block // WORD_BYTES)
-            if momentum is None:
+            if minus is not None:
+                lo, hi = _kernel(_difference_encode_blocks_into, self.compile, self.zero_exact)(
+                    values[: full * block].view(quarters), base[: full * block].view(quarters), words_out,
+                    self.zero_exact, self.levels)
+            elif momentum is None:
                 lo, hi = _kernel(_encode_blocks_into, self.compile, self.zero_exact)(
                     values[: full * block].view(quarters), words_out, self.zero_exact, self.levels)
             else:
@@ -334,6 +357,8 @@ class MinMaxUInt8:
             rest = values[full * block:]
             if momentum is not None:
                 rest = _fold_momentum(rest, folded[full * block:], rate)
+            elif minus is not None:
+                rest = rest - base[full * block:]
             tail = torch.zeros((packed.shape[0] - full) * block, dtype=torch.float32, device=flat.device)
             tail[: rest.numel()] = rest
             packed[full:] = _encode_rows(tail.view(-1, block), self.zero_exact, self.levels)

@@ -18,7 +18,8 @@ weights *after* the local steps, so every local update counts in full. (Mixing t
 with the neighbours' copies from the previous round, the earlier form here, counted each rank's
 new update at 1/3: on 2 ranks training ran at a third of its learning rate and BERT stayed at
 chance.) On the wire: one byte per element plus 8 bytes per chunk, to each of two neighbours,
-instead of 4 bytes per element. The public copies are per-rank state: checkpoints carry them.
+instead of 4 bytes per element. The public copies are per-rank state: checkpoints carry them. On 2
+ranks both neighbours are one rank, and its two copies are kept as one tensor (always equal there).
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def _finish_round(flat, own, left_copy, right_copy, mine, from_left, from_right,
     flat.add_(torch.add(left_copy, right_copy).sub_(own, alpha=2).div_(3))
 
 
+def _finish_round_with_one_neighbour(flat, own, neighbour_copy, mine, from_neighbour, levels: int):
+    """:func:`_finish_round` on 2 ranks, where the left and the right neighbour are one rank and its
+    two public copies are one tensor: ``left + right`` is ``neighbour + neighbour``, the same bits,
+    with a quarter less data read and written and one decode fewer."""
+    for public_copy, packed in ((own, mine), (neighbour_copy, from_neighbour)):
+        public_copy.add_(_decode_blocks(packed, False, levels).to(public_copy.dtype))
+    flat.add_(torch.add(neighbour_copy, neighbour_copy).sub_(own, alpha=2).div_(3))
+
+
 def _finish_round_in_blocks(kernel, tensors, encoded, levels: int) -> None:
     """:func:`_finish_round` over 1-D ``tensors`` (weights, own, left and right copies) of any
     length: the whole blocks through ``kernel``, the last partial one eagerly, padded with zeros
@@ -67,7 +77,7 @@ def _finish_round_in_blocks(kernel, tensors, encoded, levels: int) -> None:
         padded = [torch.zeros(CHUNK, dtype=t.dtype, device=t.device) for t in tensors]
         for pad, t in zip(padded, tensors):
             pad[: n - full * CHUNK] = t[full * CHUNK:]
-        _finish_round(*(pad.view(1, WORD_BYTES, quarter) for pad in padded), *(r[full:full + 1] for r in rows), levels)
+        kernel.fn(*(pad.view(1, WORD_BYTES, quarter) for pad in padded), *(r[full:full + 1] for r in rows), levels)
         for pad, t in zip(padded, tensors):
             t[full * CHUNK:] = pad[: n - full * CHUNK]
 
@@ -98,6 +108,7 @@ class LowPrecisionDecentralized(ModelAlgorithm):
         self.communication_interval = communication_interval
         self.codec = MinMaxUInt8(block=CHUNK)
         self.public: List[List[torch.Tensor]] = []  # per flat: [own, left, right]
+        self._neighbour_copies_checked = False  # see _share_one_neighbours_copies
 
     def hyperparameters(self):
         return dict(super().hyperparameters(), communication_interval=self.communication_interval)
@@ -110,6 +121,7 @@ class LowPrecisionDecentralized(ModelAlgorithm):
     def on_attach(self) -> None:
         # bagua_init broadcasts rank 0's weights before attach: every public copy starts equal everywhere
         self.public = [[flat.clone() for _ in range(3)] for flat in self.pack.gather()]
+        self._neighbour_copies_checked = False
 
     def weights_loaded(self) -> None:
         if self.pack is not None and not self.restored:
@@ -126,6 +138,10 @@ class LowPrecisionDecentralized(ModelAlgorithm):
     @torch.no_grad()
     def restore(self, state) -> None:
         super().restore(state)
+        for copies in self.public:  # two copies again, as saved (shared again if they are equal)
+            if copies[2] is copies[1]:
+                copies[2] = copies[1].clone()
+        self._neighbour_copies_checked = False
         for index, key in enumerate(("public_own", "public_left", "public_right")):
             saved = state.get(key)
             if saved is None:
@@ -141,13 +157,21 @@ class LowPrecisionDecentralized(ModelAlgorithm):
     # ------------------------------------------------------------------ one round
     def _round(self, flat: torch.Tensor, copies: List[torch.Tensor], group):
         own, left_copy, right_copy = copies
-        mine = self.codec.encode_chunks(flat - own, 1)  # one row: blocks of CHUNK elements
+        # one row: blocks of CHUNK elements; fp32 weights: the difference is made as the encoder reads
+        # (other dtypes: made in theirs, then encoded, as the reference does)
+        mine = (self.codec.encode_chunks(flat, 1, minus=own) if flat.dtype == own.dtype == torch.float32
+                else self.codec.encode_chunks(flat - own, 1))
         size, me = comm.world_size(group), comm.group_ranks(group).index(comm.rank())
         left, right = ring_neighbours(me, size)
         ranks = comm.group_ranks(group)
         from_left = torch.empty_like(mine)
         if size == 2:  # the one neighbour is both
             yield comm.exchange(mine, from_left, ranks[left], group)
+            if left_copy.data_ptr() == right_copy.data_ptr():  # its copies are one tensor (see update)
+                _finish_round_in_blocks(
+                    _kernel(_finish_round_with_one_neighbour, self.codec.decode_compile(flat.device), False),
+                    (flat, own, left_copy), (mine, from_left), self.codec.levels)
+                return
             from_right = from_left
         else:
             from_right = torch.empty_like(mine)
@@ -163,10 +187,26 @@ class LowPrecisionDecentralized(ModelAlgorithm):
             end = min(start + length, flat.numel())
             yield flat[start:end], [public_copy[start:end] for public_copy in copies]
 
+    @torch.no_grad()
+    def _share_one_neighbours_copies(self, group) -> None:
+        """On 2 ranks the left and the right neighbour are one rank, and the two public copies of it
+        are equal bit for bit (the same start, the same differences): they become one tensor, which
+        each round updates once (24 MB less memory for 24 MB of weights, a quarter less traffic).
+        Checked once after attaching or restoring (copies restored unequal stay two)."""
+        if self._neighbour_copies_checked:
+            return
+        self._neighbour_copies_checked = True
+        if comm.world_size(group) != 2:
+            return
+        for copies in self.public:
+            if copies[2] is not copies[1] and torch.equal(copies[1], copies[2]):
+                copies[2] = copies[1]
+
     def update(self, step: int, group) -> bool:
         if not comm.is_distributed(group) or step % self.communication_interval:
             return False
         flats = self.pack.gather()
+        self._share_one_neighbours_copies(group)
         with torch.no_grad():
             self.run([self._round(piece, copies_of_piece, group) for flat, copies in zip(flats, self.public)
                       for piece, copies_of_piece in self._pieces(flat, copies)],
