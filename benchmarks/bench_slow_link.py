@@ -54,6 +54,8 @@ VARIANTS = {
     "bytegrad": dict(algorithm="bytegrad", kwargs=dict(hierarchical=False)),
     "decentralized": dict(algorithm="decentralized"),
     "low_precision_decentralized": dict(algorithm="low_precision_decentralized"),
+    # with a fused optimizer the weights lie in one buffer: a round gathers and scatters no copy of them
+    "low_precision_decentralized_fused": dict(algorithm="low_precision_decentralized", fused=True),
     # QAdam is an Adam: fused (one compiled kernel, as fuse_optimizer makes it) it costs what DDP's SGD
     # step costs here; unfused, its eager step is 2-3x that (a row of its own, not in the default set)
     "qadam": dict(algorithm="qadam", warmup=QADAM_WARMUP, fused=True,
@@ -302,7 +304,7 @@ def report(result) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", type=_rate, default=["1gbit", "10gbit"], help="tc rates; 'none': no shaping")
-    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "qadam_unfused"], choices=list(VARIANTS),
+    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in ("qadam_unfused", "low_precision_decentralized_fused")], choices=list(VARIANTS),
                         help="ddp is always run first (the baseline)")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
