@@ -659,6 +659,7 @@ class CompiledFunction:
         self.recompute_reads = recompute_reads
         self.graphs = 0
         self.compiled_calls = 0
+        self.last_ran_compiled = False  # whether the last call ran compiled (see ``like``)
         self.disabled_reason = None
         self._compilers_checked: set = set()  # device types whose compiler works
         CompiledFunction._instances += 1
@@ -676,12 +677,13 @@ class CompiledFunction:
         return inductor_backend()(graph_module, example_inputs)
 
     def wants_compiled(self, *args) -> bool:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return first is not None and self.min_elements is not None and first.numel() >= self.min_elements \
+            and self._compiles_on(first.device.type)
+
+    def _compiles_on(self, device_type: str) -> bool:
         if self.min_elements is None or self.disabled_reason is not None:
             return False
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None or first.numel() < self.min_elements:
-            return False
-        device_type = first.device.type
         if device_type not in self._compilers_checked:  # decided by the release and the machine: asked once
             reason = compile_unavailable_reason(device_type=device_type)
             if reason is not None:
@@ -690,13 +692,23 @@ class CompiledFunction:
             self._compilers_checked.add(device_type)
         return True
 
-    def __call__(self, *args):
+    def __call__(self, *args, like: Optional["CompiledFunction"] = None):
+        """``like``: run compiled where ``like``'s last call ran compiled, whatever the size of these
+        arguments (the few small operations that finish a call of it, one compiled call rather than
+        many eager ones)."""
         with torch.no_grad():
-            if self.wants_compiled(*args):
+            if like is None:
+                wanted = self.wants_compiled(*args)
+            else:
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                wanted = like.last_ran_compiled and first is not None and self._compiles_on(first.device.type)
+            self.last_ran_compiled = False
+            if wanted:
                 try:
                     with dynamo_recompile_limit(self.max_graphs + 1, self.graphs):
                         result = self._compiled(*args)
                     self.compiled_calls += 1
+                    self.last_ran_compiled = True
                     return result
                 except Exception as exc:  # fullgraph: nothing of this call ran
                     self.disabled_reason = _describe(exc)

@@ -8,9 +8,9 @@ this file holds what only pytest uses. One copy of each helper:
 * ``tests/_fused_utils.py``: the optimizer matrix of the fused-optimizer and compiled-step tests.
 * ``tests/_fairseq_utils.py``: ``fairseq_available`` / ``requires_fairseq`` and fairseq-train runs.
 * here: ``private_api_guard`` (the ``_torch_compat`` / ``_fairseq_compat`` / ``_hf_compat``
-  tests), the report header naming the versions whose private API those modules use, and a
-  summary line when the run created a framework's default output folder (``checkpoints/``, ...)
-  in the checkout.
+  tests), the report header naming the versions whose private API those modules use, the
+  ``parallel`` marker (which files run two at a time), and a summary line when the run created a
+  framework's default output folder (``checkpoints/``, ...) in the checkout.
 """
 
 from __future__ import annotations
@@ -84,3 +84,26 @@ def pytest_terminal_summary(terminalreporter):
             "(--save-dir, output_dir, cwd=...)",
             red=True,
         )
+
+
+# ------------------------------------------------------------------------------ two files at a time
+# Files whose tests compute in this process (compiling, mostly: one core each), or start ranks that
+# never measure time nor wait on a stalled peer for less than a minute. They get the ``parallel``
+# marker: ``scripts/test.sh`` and the nox sessions run them on two pytest-xdist workers, a whole file
+# per worker (``--dist loadfile``: a file's tests run in order, in one process, as they would alone),
+# then the other files one test at a time: ranks that use both cores (torchrun jobs, fairseq, HF) and
+# tests that time a slow or stalled peer (join, async averaging) would only contend or flake.
+PARALLEL_FILES = frozenset({
+    "test_bert_adam_reference.py", "test_codec.py", "test_compiled_step.py", "test_fairseq_optimizer_api.py",
+    "test_flat_memory.py", "test_fsdp2_fused.py", "test_fuse_order.py", "test_fused_optimizer.py",
+    "test_fused_state_dict.py", "test_fusion_guards.py", "test_fusion_reliability.py", "test_hf_compat.py",
+    "test_late_reductions.py", "test_nested_state.py", "test_per_tensor_compiled.py", "test_report_cli.py",
+    "test_scalar_prologue.py", "test_segmented_fusion.py", "test_third_party_optimizers.py", "test_torch_compat.py",
+    "test_torch_versions.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in PARALLEL_FILES:
+            item.add_marker(pytest.mark.parallel)

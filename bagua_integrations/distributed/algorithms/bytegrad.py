@@ -156,8 +156,8 @@ def _decode_rows(packed: torch.Tensor, zero_exact: bool, levels: int) -> torch.T
 # flat run indexed through symbolic divisions it ran scalar, 10-47x slower).
 
 # Encoders write the code words into the packed rows (``words_out``: the rows past their headers) and
-# return the blocks' (min, max), from which the caller makes and writes the headers (:func:`_header`,
-# the same operations as the kernel's, so the same bits; 8 bytes a block). With no other per-block
+# return the blocks' (min, max), from which :func:`_headers_into` makes and writes the headers (with
+# :func:`_header`, the same operations as the kernel's, so the same bits; 8 bytes a block). With no other per-block
 # output, Inductor's CPU kernel runs each block's min/max loop and then its quantizing loop, which
 # reads the block again from cache: 1.6x faster than two passes over the bucket (when the headers
 # were outputs too), 6x faster than headers and codes written in one graph (one masked loop).
@@ -199,6 +199,19 @@ def _average_chunks(received: torch.Tensor, words_out: torch.Tensor, zero_exact:
     words into ``words_out`` (blocks, q), the blocks' (min, max) returned."""
     mean = _decode_blocks(received, zero_exact, levels).sum(dim=0).div(received.shape[0])
     return _encode_blocks_into(mean, words_out, zero_exact, levels)
+
+
+def _headers_into(headers_out: torch.Tensor, lo: Optional[torch.Tensor], hi: Optional[torch.Tensor],
+                  tail: Optional[torch.Tensor], tail_words_out: Optional[torch.Tensor], zero_exact: bool, levels: int):
+    """``headers_out`` (blocks, 2) float32 <- the headers of blocks whose (min, max) an encoder
+    returned (``lo``, ``hi``; None: none), followed by those of ``tail`` (a bucket's last few blocks,
+    zero-padded, (k, 4, q); None: none), whose code words go into ``tail_words_out``. One call, compiled
+    where the encoder was: the ~20 small operations it makes cost more than its kernel eagerly."""
+    if tail is not None:
+        tail_lo, tail_hi = _encode_blocks_into(tail, tail_words_out, zero_exact, levels)
+        lo = tail_lo if lo is None else torch.cat([lo, tail_lo])
+        hi = tail_hi if hi is None else torch.cat([hi, tail_hi])
+    headers_out.copy_(_header(lo, hi, zero_exact, levels))
 
 
 def _decode_into(out: torch.Tensor, packed: torch.Tensor, zero_exact: bool, levels: int):
@@ -338,30 +351,37 @@ class MinMaxUInt8:
             # float32, as eager torch turns a Python number multiplying a float32 tensor into one
             rate = torch.tensor(1.0 - momentum[1], dtype=torch.float32, device=flat.device)
         full = values.numel() // block  # whole blocks straight from the bucket (no padded copy of it)
+        words_out = packed.view(torch.int32)[:, self.header_bytes // WORD_BYTES:]
+        lo = hi = tail = None
+        encoder = None
         if full:
-            words_out = packed.view(torch.int32)[:full, self.header_bytes // WORD_BYTES:]
             quarters = (full, WORD_BYTES, block // WORD_BYTES)
             if minus is not None:
-                lo, hi = _kernel(_difference_encode_blocks_into, self.compile, self.zero_exact)(
-                    values[: full * block].view(quarters), base[: full * block].view(quarters), words_out,
+                encoder = _kernel(_difference_encode_blocks_into, self.compile, self.zero_exact)
+                lo, hi = encoder(
+                    values[: full * block].view(quarters), base[: full * block].view(quarters), words_out[:full],
                     self.zero_exact, self.levels)
             elif momentum is None:
-                lo, hi = _kernel(_encode_blocks_into, self.compile, self.zero_exact)(
-                    values[: full * block].view(quarters), words_out, self.zero_exact, self.levels)
+                encoder = _kernel(_encode_blocks_into, self.compile, self.zero_exact)
+                lo, hi = encoder(
+                    values[: full * block].view(quarters), words_out[:full], self.zero_exact, self.levels)
             else:
-                lo, hi = _kernel(_fold_encode_blocks_into, self.compile, self.zero_exact)(
-                    values[: full * block].view(quarters), folded[: full * block].view(quarters), words_out,
+                encoder = _kernel(_fold_encode_blocks_into, self.compile, self.zero_exact)
+                lo, hi = encoder(
+                    values[: full * block].view(quarters), folded[: full * block].view(quarters), words_out[:full],
                     rate, self.zero_exact, self.levels)
-            packed[:full, : self.header_bytes].copy_(_header(lo, hi, self.zero_exact, self.levels).view(torch.uint8))
-        if full < packed.shape[0]:  # the last partial block and the padding: a few blocks, eagerly
+        if full < packed.shape[0]:  # the last partial block and the padding: a few blocks, zero-padded
             rest = values[full * block:]
             if momentum is not None:
                 rest = _fold_momentum(rest, folded[full * block:], rate)
             elif minus is not None:
                 rest = rest - base[full * block:]
-            tail = torch.zeros((packed.shape[0] - full) * block, dtype=torch.float32, device=flat.device)
-            tail[: rest.numel()] = rest
-            packed[full:] = _encode_rows(tail.view(-1, block), self.zero_exact, self.levels)
+            tail = torch.zeros(packed.shape[0] - full, WORD_BYTES, block // WORD_BYTES, dtype=torch.float32,
+                               device=flat.device)
+            tail.view(-1)[: rest.numel()] = rest
+        _kernel(_headers_into, self.compile, self.zero_exact)(
+            self._headers_of(packed), lo, hi, tail, None if tail is None else words_out[full:], self.zero_exact,
+            self.levels, like=encoder)
         return packed.view(chunks, -1)
 
     def folds_momentum(self, flat: torch.Tensor) -> bool:
@@ -381,11 +401,16 @@ class MinMaxUInt8:
         out = torch.empty(1, received.shape[1], dtype=torch.uint8, device=received.device)
         rows = out.view(-1, self.header_bytes + block)
         words = (self.header_bytes + block) // WORD_BYTES
-        lo, hi = _kernel(_average_chunks, self.compile, self.zero_exact)(
-            _as_words(received).view(received.shape[0], -1, words), rows.view(torch.int32)[:, self.header_bytes // WORD_BYTES:],
-            self.zero_exact, self.levels)
-        rows[:, : self.header_bytes].copy_(_header(lo, hi, self.zero_exact, self.levels).view(torch.uint8))
+        average = _kernel(_average_chunks, self.compile, self.zero_exact)
+        lo, hi = average(_as_words(received).view(received.shape[0], -1, words),
+                         rows.view(torch.int32)[:, self.header_bytes // WORD_BYTES:], self.zero_exact, self.levels)
+        _kernel(_headers_into, self.compile, self.zero_exact)(
+            self._headers_of(rows), lo, hi, None, None, self.zero_exact, self.levels, like=average)
         return out
+
+    def _headers_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """(blocks, 8 + block) uint8 encoded rows -> their headers, a (blocks, 2) float32 view."""
+        return rows.view(torch.float32)[:, : self.header_bytes // WORD_BYTES]
 
     def decode_into(self, packed: torch.Tensor, out: torch.Tensor, chunk: int) -> torch.Tensor:
         """Decode rows of ``chunk`` elements and write the first ``out.numel()`` values into ``out``."""
