@@ -13,6 +13,7 @@ import datetime
 import faulthandler
 import multiprocessing.connection
 import os
+import random
 import signal
 import socket
 import tempfile
@@ -40,8 +41,34 @@ def gloo_threads() -> List[str]:
     return sorted(name for name in names if "gloo" in name)
 
 
+def _ephemeral_ports_start() -> int:
+    """The first port of the range the kernel hands out for binds to port 0 (Linux; else IANA's 49152)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+_PORTS = random.Random(os.getpid() ^ time.time_ns())
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port free now, for a store the test's ranks will bind a second or two later (when their
+    processes have started). Chosen below the ephemeral range: every socket bound to port 0 meanwhile
+    (gloo's connections, another test's on the other pytest-xdist worker) comes from that range, so
+    none of them can take it; at random, so two workers do not try the same ports in turn."""
+    start = _ephemeral_ports_start()
+    low = min(20000, start // 2)
+    for _ in range(200):
+        port = _PORTS.randrange(low, start)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # (a range that busy: any free port)
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
