@@ -205,8 +205,9 @@ def _headers_into(headers_out: torch.Tensor, lo: Optional[torch.Tensor], hi: Opt
                   tail: Optional[torch.Tensor], tail_words_out: Optional[torch.Tensor], zero_exact: bool, levels: int):
     """``headers_out`` (blocks, 2) float32 <- the headers of blocks whose (min, max) an encoder
     returned (``lo``, ``hi``; None: none), followed by those of ``tail`` (a bucket's last few blocks,
-    zero-padded, (k, 4, q); None: none), whose code words go into ``tail_words_out``. One call, compiled
-    where the encoder was: the ~20 small operations it makes cost more than its kernel eagerly."""
+    zero-padded, (k, 4, q); None: none), whose code words go into ``tail_words_out``. After an encoder, one
+    call, compiled where the encoder was: with a tail, its ~20 small operations cost more eagerly than a
+    compiled call (encode_chunks 14% faster on a 4 MB bucket); without one, less (average_chunks)."""
     if tail is not None:
         tail_lo, tail_hi = _encode_blocks_into(tail, tail_words_out, zero_exact, levels)
         lo = tail_lo if lo is None else torch.cat([lo, tail_lo])
@@ -401,11 +402,11 @@ class MinMaxUInt8:
         out = torch.empty(1, received.shape[1], dtype=torch.uint8, device=received.device)
         rows = out.view(-1, self.header_bytes + block)
         words = (self.header_bytes + block) // WORD_BYTES
-        average = _kernel(_average_chunks, self.compile, self.zero_exact)
-        lo, hi = average(_as_words(received).view(received.shape[0], -1, words),
-                         rows.view(torch.int32)[:, self.header_bytes // WORD_BYTES:], self.zero_exact, self.levels)
-        _kernel(_headers_into, self.compile, self.zero_exact)(
-            self._headers_of(rows), lo, hi, None, None, self.zero_exact, self.levels, like=average)
+        lo, hi = _kernel(_average_chunks, self.compile, self.zero_exact)(
+            _as_words(received).view(received.shape[0], -1, words), rows.view(torch.int32)[:, self.header_bytes // WORD_BYTES:],
+            self.zero_exact, self.levels)
+        # without a tail to encode, the headers' few small operations cost less eagerly than a compiled call
+        _headers_into(self._headers_of(rows), lo, hi, None, None, self.zero_exact, self.levels)
         return out
 
     def _headers_of(self, rows: torch.Tensor) -> torch.Tensor:
