@@ -676,13 +676,17 @@ class CompiledFunction:
             return inductor_backend()(graph_module, example_inputs, config_patches=patches)
         return inductor_backend()(graph_module, example_inputs)
 
-    def wants_compiled(self, *args) -> bool:
+    def wants_compiled(self, *args, like: Optional["CompiledFunction"] = None) -> bool:
+        """Whether a call with ``args`` runs compiled: its first tensor has ``min_elements`` or more,
+        or, with ``like``, ``like``'s last call ran compiled (see :meth:`__call__`)."""
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        return first is not None and self.min_elements is not None and first.numel() >= self.min_elements \
-            and self._compiles_on(first.device.type)
+        if first is None or self.min_elements is None:
+            return False
+        wanted = like.last_ran_compiled if like is not None else first.numel() >= self.min_elements
+        return wanted and self._compiles_on(first.device.type)
 
     def _compiles_on(self, device_type: str) -> bool:
-        if self.min_elements is None or self.disabled_reason is not None:
+        if self.disabled_reason is not None:
             return False
         if device_type not in self._compilers_checked:  # decided by the release and the machine: asked once
             reason = compile_unavailable_reason(device_type=device_type)
@@ -697,11 +701,7 @@ class CompiledFunction:
         arguments (the few small operations that finish a call of it, one compiled call rather than
         many eager ones)."""
         with torch.no_grad():
-            if like is None:
-                wanted = self.wants_compiled(*args)
-            else:
-                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-                wanted = like.last_ran_compiled and first is not None and self._compiles_on(first.device.type)
+            wanted = self.wants_compiled(*args, like=like)
             self.last_ran_compiled = False
             if wanted:
                 try:

@@ -50,7 +50,7 @@ def _ephemeral_ports_start() -> int:
         return 49152
 
 
-_PORTS = random.Random(os.getpid() ^ time.time_ns())
+_PORTS = random.Random()  # seeded from the OS: each pytest-xdist worker draws its own ports
 
 
 def free_port() -> int:
